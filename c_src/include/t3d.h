@@ -1,0 +1,194 @@
+/* t3d.h: the public C API of t3d: communicators, non-blocking collectives and point-to-point over requests.
+ * C11, no torch. Every function returns t3d_result_t; the communicator keeps the text of its last error. */
+#ifndef T3D_H
+#define T3D_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define T3D_VERSION_MAJOR 0
+#define T3D_VERSION_MINOR 1
+#define T3D_VERSION_PATCH 0
+
+typedef enum t3d_result {
+  T3D_OK = 0,
+  T3D_IN_PROGRESS = 1,
+  T3D_ERR_INVALID_ARG = -1,
+  T3D_ERR_TIMEOUT = -2,
+  T3D_ERR_PEER_LOST = -3,
+  T3D_ERR_ABORTED = -4,
+  T3D_ERR_MISMATCH = -5,
+  T3D_ERR_NO_MEMORY = -6,
+  T3D_ERR_UNSUPPORTED = -7,
+  T3D_ERR_SYSTEM = -8,
+  T3D_ERR_TRANSPORT = -9,
+  T3D_ERR_INTERNAL = -10
+} t3d_result_t;
+
+/* Static, never NULL: "T3D_OK", "T3D_ERR_TIMEOUT", ... */
+const char *t3d_result_string(t3d_result_t res);
+
+typedef enum t3d_dtype {
+  T3D_INT8 = 0,
+  T3D_UINT8,
+  T3D_INT32,
+  T3D_INT64,
+  T3D_FLOAT16,
+  T3D_BFLOAT16,
+  T3D_FLOAT32,
+  T3D_FLOAT64,
+  T3D_BOOL,       /* one byte, 0 or 1 */
+  T3D_COMPLEX64,  /* pairs of float32; only SUM, AVG and PREMUL_SUM (real scalar) reduce it */
+  T3D_COMPLEX128, /* pairs of float64; same ops as COMPLEX64 */
+  T3D_DTYPE_COUNT
+} t3d_dtype_t;
+
+typedef enum t3d_redop {
+  T3D_SUM = 0,
+  T3D_PROD,
+  T3D_MIN,
+  T3D_MAX,
+  T3D_AVG,        /* sum divided by the group size; integers divide with truncation */
+  T3D_PREMUL_SUM, /* each rank's input multiplied by opts->premul_scalar, then summed */
+  T3D_BAND,       /* integers and bool only */
+  T3D_BOR,
+  T3D_BXOR,
+  T3D_REDOP_COUNT
+} t3d_redop_t;
+
+size_t t3d_dtype_size(t3d_dtype_t dtype); /* 0 for an invalid dtype */
+const char *t3d_dtype_name(t3d_dtype_t dtype);
+const char *t3d_redop_name(t3d_redop_t op);
+/* T3D_OK when op can reduce dtype; T3D_ERR_UNSUPPORTED (e.g. BAND on float) or T3D_ERR_INVALID_ARG otherwise. */
+t3d_result_t t3d_redop_supported(t3d_redop_t op, t3d_dtype_t dtype);
+
+/* Bootstrap key-value store. t3d calls it only from t3d_comm_init / t3d_comm_split, on the caller's thread.
+ * get blocks until the key exists or timeout_ms passes (then T3D_ERR_TIMEOUT). On success *value is allocated with
+ * malloc() and t3d releases it with free(). The store must outlive every communicator made from it. */
+typedef struct t3d_store {
+  void *ctx;
+  t3d_result_t (*set)(void *ctx, const char *key, const void *value, size_t len);
+  t3d_result_t (*get)(void *ctx, const char *key, void **value, size_t *len, int64_t timeout_ms);
+} t3d_store_t;
+
+typedef struct t3d_config {
+  int64_t timeout_ms;     /* default per-operation timeout; <= 0: T3D_TIMEOUT_MS or 600000 */
+  const char *name;       /* group name used in messages, e.g. "world" or "tp"; NULL: "comm" */
+  const char *key_prefix; /* namespace of this communicator's keys in the store; NULL: "t3d" */
+  const char *transport;  /* NULL: T3D_TRANSPORT or "auto" */
+} t3d_config_t;
+
+/* Fills the defaults above. */
+void t3d_config_init(t3d_config_t *cfg);
+
+/* Per-call options; pass NULL for the defaults. */
+typedef struct t3d_opts {
+  int64_t timeout_ms;   /* <= 0: the communicator's timeout */
+  double premul_scalar; /* factor of T3D_PREMUL_SUM */
+} t3d_opts_t;
+
+typedef struct t3d_comm t3d_comm_t;
+typedef struct t3d_request t3d_request_t;
+
+#define T3D_ANY_SOURCE (-1)
+#define T3D_SPLIT_NOCOLOR (-1)
+#define T3D_MAX_TAG ((int64_t)0x3fffffff)
+
+/* Collective over the `size` callers that share store and cfg->key_prefix. */
+t3d_result_t t3d_comm_init(t3d_comm_t **comm, int rank, int size, const t3d_store_t *store,
+                           const t3d_config_t *cfg);
+/* Collective over parent. Ranks with the same color form a new communicator ordered by (key, parent rank);
+ * color T3D_SPLIT_NOCOLOR gets *newcomm = NULL. cfg may be NULL (parent's timeout, name "split"). */
+t3d_result_t t3d_comm_split(t3d_comm_t *parent, int color, int key, const t3d_config_t *cfg,
+                            t3d_comm_t **newcomm);
+/* Finishes queued operations, then frees everything. Not collective. */
+t3d_result_t t3d_comm_destroy(t3d_comm_t *comm);
+/* Any thread, any time: every pending and later request completes with T3D_ERR_ABORTED. Destroy still needed. */
+t3d_result_t t3d_comm_abort(t3d_comm_t *comm);
+int t3d_comm_rank(const t3d_comm_t *comm);
+int t3d_comm_size(const t3d_comm_t *comm);
+/* T3D_OK, or the error that broke the communicator (timeout, lost peer, abort). */
+t3d_result_t t3d_comm_status(t3d_comm_t *comm);
+/* Text of the last error on this communicator ("" if none). Valid until the next call that fails. */
+const char *t3d_comm_last_error(t3d_comm_t *comm);
+const char *t3d_comm_transport(const t3d_comm_t *comm);
+
+/* Collectives. Counts are in elements of dtype. sendbuf == recvbuf means in place. Buffers must stay valid until the
+ * request completes; count/displacement arrays are copied at call time. */
+t3d_result_t t3d_allreduce(t3d_comm_t *comm, const void *sendbuf, void *recvbuf, size_t count, t3d_dtype_t dtype,
+                           t3d_redop_t op, const t3d_opts_t *opts, t3d_request_t **req);
+t3d_result_t t3d_broadcast(t3d_comm_t *comm, void *buf, size_t count, t3d_dtype_t dtype, int root,
+                           const t3d_opts_t *opts, t3d_request_t **req);
+/* recvbuf is written at root only (may be NULL elsewhere). */
+t3d_result_t t3d_reduce(t3d_comm_t *comm, const void *sendbuf, void *recvbuf, size_t count, t3d_dtype_t dtype,
+                        t3d_redop_t op, int root, const t3d_opts_t *opts, t3d_request_t **req);
+/* recvbuf holds size*count elements, rank r's block at r*count. */
+t3d_result_t t3d_allgather(t3d_comm_t *comm, const void *sendbuf, void *recvbuf, size_t count, t3d_dtype_t dtype,
+                           const t3d_opts_t *opts, t3d_request_t **req);
+/* Rank r contributes recvcounts[r] elements (sendcount must equal recvcounts[rank]) placed at displs[r]. */
+t3d_result_t t3d_allgatherv(t3d_comm_t *comm, const void *sendbuf, size_t sendcount, void *recvbuf,
+                            const size_t *recvcounts, const size_t *displs, t3d_dtype_t dtype,
+                            const t3d_opts_t *opts, t3d_request_t **req);
+/* At root recvbuf holds size*count elements; elsewhere it may be NULL. */
+t3d_result_t t3d_gather(t3d_comm_t *comm, const void *sendbuf, void *recvbuf, size_t count, t3d_dtype_t dtype,
+                        int root, const t3d_opts_t *opts, t3d_request_t **req);
+/* At root sendbuf holds size*count elements; elsewhere it may be NULL. */
+t3d_result_t t3d_scatter(t3d_comm_t *comm, const void *sendbuf, void *recvbuf, size_t count, t3d_dtype_t dtype,
+                         int root, const t3d_opts_t *opts, t3d_request_t **req);
+/* sendbuf holds size*recvcount elements; rank r receives the reduction of block r. */
+t3d_result_t t3d_reduce_scatter(t3d_comm_t *comm, const void *sendbuf, void *recvbuf, size_t recvcount,
+                                t3d_dtype_t dtype, t3d_redop_t op, const t3d_opts_t *opts, t3d_request_t **req);
+/* sendbuf holds sum(recvcounts) elements, blocks laid out contiguously in rank order. */
+t3d_result_t t3d_reduce_scatterv(t3d_comm_t *comm, const void *sendbuf, void *recvbuf, const size_t *recvcounts,
+                                 t3d_dtype_t dtype, t3d_redop_t op, const t3d_opts_t *opts, t3d_request_t **req);
+/* Block r of sendbuf (count elements) goes to rank r. */
+t3d_result_t t3d_alltoall(t3d_comm_t *comm, const void *sendbuf, void *recvbuf, size_t count, t3d_dtype_t dtype,
+                          const t3d_opts_t *opts, t3d_request_t **req);
+/* Per-peer counts and displacements in elements; zeros allowed. */
+t3d_result_t t3d_alltoallv(t3d_comm_t *comm, const void *sendbuf, const size_t *sendcounts, const size_t *sdispls,
+                           void *recvbuf, const size_t *recvcounts, const size_t *rdispls, t3d_dtype_t dtype,
+                           const t3d_opts_t *opts, t3d_request_t **req);
+t3d_result_t t3d_barrier(t3d_comm_t *comm, const t3d_opts_t *opts, t3d_request_t **req);
+
+/* Point-to-point. tag in [0, T3D_MAX_TAG]. A receive gets at most count elements; t3d_request_count says how many
+ * arrived (more than count is T3D_ERR_MISMATCH). peer T3D_ANY_SOURCE receives from anyone. */
+t3d_result_t t3d_send(t3d_comm_t *comm, const void *buf, size_t count, t3d_dtype_t dtype, int peer, int64_t tag,
+                      const t3d_opts_t *opts, t3d_request_t **req);
+t3d_result_t t3d_recv(t3d_comm_t *comm, void *buf, size_t count, t3d_dtype_t dtype, int peer, int64_t tag,
+                      const t3d_opts_t *opts, t3d_request_t **req);
+
+/* Coalescing: operations issued between start and end are held and issued together at end (point-to-point first,
+ * so any pairing of sends and receives inside a group cannot deadlock). Each keeps its own request; end can also
+ * return one request that completes when all of them have (pass NULL if not wanted). Groups nest. */
+t3d_result_t t3d_group_start(t3d_comm_t *comm);
+t3d_result_t t3d_group_end(t3d_comm_t *comm, t3d_request_t **req);
+
+/* T3D_OK when done, T3D_IN_PROGRESS, or the operation's error. Never blocks. */
+t3d_result_t t3d_test(t3d_request_t *req);
+/* Blocks until completion or timeout_ms (< 0: forever). A wait that times out returns T3D_ERR_TIMEOUT and leaves the
+ * operation running. */
+t3d_result_t t3d_wait(t3d_request_t *req, int64_t timeout_ms);
+/* Text of the request's error ("" if none), naming the operation, its sequence number, group and ranks. */
+const char *t3d_request_error(t3d_request_t *req);
+/* Receives: the sender's rank and the number of elements that arrived. */
+int t3d_request_source(t3d_request_t *req);
+size_t t3d_request_count(t3d_request_t *req);
+/* Called once, from t3d's progress thread, when the request completes (at once if already complete). It must not
+ * block on another t3d request of the same communicator. */
+typedef void (*t3d_callback_t)(void *arg, t3d_result_t result);
+t3d_result_t t3d_request_set_callback(t3d_request_t *req, t3d_callback_t fn, void *arg);
+/* Safe on a pending request: it is released once complete. */
+void t3d_request_free(t3d_request_t *req);
+
+/* Library facts: "0.1.0", transports compiled in ("ucx"), UCX version. */
+const char *t3d_version_string(void);
+const char *t3d_ucx_version_string(void);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* T3D_H */

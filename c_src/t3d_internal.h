@@ -1,0 +1,142 @@
+/* t3d_internal.h: what the parts of c_src share: the check macros, logging, the transport table, the execution
+ * context that collective algorithms run in, and the reduction kernels. Not installed. */
+#ifndef T3D_INTERNAL_H
+#define T3D_INTERNAL_H
+
+#include "t3d.h"
+
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+/* ---------- logging and checks ---------- */
+typedef enum { T3D_LOG_NONE = 0, T3D_LOG_WARN = 1, T3D_LOG_INFO = 2, T3D_LOG_TRACE = 3 } t3d_log_level_t;
+int t3d__log_level(void); /* T3D_DEBUG, read once */
+void t3d__log(int level, const char *file, int line, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
+#define T3D_WARN(...) \
+  do { if (t3d__log_level() >= T3D_LOG_WARN) t3d__log(T3D_LOG_WARN, __FILE__, __LINE__, __VA_ARGS__); } while (0)
+#define T3D_INFO(...) \
+  do { if (t3d__log_level() >= T3D_LOG_INFO) t3d__log(T3D_LOG_INFO, __FILE__, __LINE__, __VA_ARGS__); } while (0)
+#define T3D_TRACE(...) \
+  do { if (t3d__log_level() >= T3D_LOG_TRACE) t3d__log(T3D_LOG_TRACE, __FILE__, __LINE__, __VA_ARGS__); } while (0)
+
+/* Propagate an error, logging "-> code" at each hop so that a failure reads like a backtrace. */
+#define T3D_CHECK(call)                                                              \
+  do {                                                                               \
+    t3d_result_t t3d_res_ = (call);                                                  \
+    if (t3d_res_ < 0) {                                                              \
+      T3D_INFO("%s -> %s", #call, t3d_result_string(t3d_res_));                     \
+      return t3d_res_;                                                               \
+    }                                                                                \
+  } while (0)
+#define T3D_CHECK_GOTO(call, res, label)                                             \
+  do {                                                                               \
+    (res) = (call);                                                                  \
+    if ((res) < 0) {                                                                 \
+      T3D_INFO("%s -> %s", #call, t3d_result_string(res));                          \
+      goto label;                                                                    \
+    }                                                                                \
+  } while (0)
+
+/* ---------- typed, cached environment ---------- */
+int64_t t3d__env_int(const char *name, int64_t dflt);
+const char *t3d__env_str(const char *name, const char *dflt);
+
+/* ---------- time ---------- */
+uint64_t t3d__now_ns(void);
+
+/* ---------- transports ---------- */
+/* One message in flight. The transport sets status (T3D_OK or an error), bytes (received length) and
+ * source (sender rank) before it stores done = 1 with release order. */
+typedef struct t3d_xfer {
+  atomic_int done;
+  t3d_result_t status;
+  size_t bytes;
+  int source;
+  int peer;     /* the peer it was posted for (-1: any source) */
+  void *handle; /* transport-owned */
+} t3d_xfer_t;
+
+/* Message tags: 2 bits kind | 26 bits sequence or user tag | 20 bits step | 16 bits source rank. */
+#define T3D_TAG_KIND_COLL 0ull
+#define T3D_TAG_KIND_P2P 1ull
+#define T3D_TAG_SRC_BITS 16
+#define T3D_TAG_STEP_BITS 20
+#define T3D_TAG_SRC_MASK 0xffffull
+uint64_t t3d__coll_tag(uint64_t seq, uint32_t step, int src);
+uint64_t t3d__p2p_tag(int64_t user_tag, int src);
+
+typedef struct t3d_transport {
+  const char *name;
+  /* Creates the endpoints to every peer, exchanging addresses through the store. Runs on the caller's thread. */
+  t3d_result_t (*init)(t3d_comm_t *comm, void **state);
+  /* Non-blocking; completion shows in x->done. May complete at once. */
+  t3d_result_t (*isend)(void *state, int peer, uint64_t tag, const void *buf, size_t bytes, t3d_xfer_t *x);
+  /* peer -1 with tag_mask clearing the source bits receives from any rank. */
+  t3d_result_t (*irecv)(void *state, int peer, uint64_t tag, uint64_t tag_mask, void *buf, size_t bytes,
+                        t3d_xfer_t *x);
+  /* Drives completions; returns nonzero when something happened. Only the progress thread calls it. */
+  int (*progress)(void *state);
+  /* Gives up a pending transfer (abort or timeout); x->done is set before it returns. */
+  void (*cancel)(void *state, t3d_xfer_t *x);
+  /* Releases a completed transfer's transport resources. */
+  void (*release)(void *state, t3d_xfer_t *x);
+  void (*fini)(void *state);
+} t3d_transport_t;
+
+extern const t3d_transport_t t3d__transport_ucx;
+
+/* ---------- execution context of one operation, on the progress thread ---------- */
+typedef struct t3d_exec {
+  t3d_comm_t *comm;
+  int rank, size;
+  const char *opname; /* "allreduce", ... */
+  uint64_t seq;       /* collective sequence number on this communicator */
+  uint64_t deadline_ns;
+  int64_t timeout_ms;
+  int waiting_on[8];  /* ranks of the last transfers that did not complete (for messages) */
+  int n_waiting_on;
+} t3d_exec_t;
+
+/* Point-to-point inside a collective. step tells apart messages of the same operation between the same pair;
+ * both sides must use the same step. */
+t3d_result_t t3d__isend(t3d_exec_t *ex, int peer, uint32_t step, const void *buf, size_t bytes, t3d_xfer_t *x);
+t3d_result_t t3d__irecv(t3d_exec_t *ex, int peer, uint32_t step, void *buf, size_t bytes, t3d_xfer_t *x);
+/* Drives progress until every xfer is done, the deadline passes (T3D_ERR_TIMEOUT), or the communicator is aborted
+ * (T3D_ERR_ABORTED); on error the remaining transfers are cancelled. Releases all of them. A received length other
+ * than the posted one is T3D_ERR_MISMATCH. */
+t3d_result_t t3d__waitall(t3d_exec_t *ex, t3d_xfer_t *xs, int n);
+/* Send to dst and receive from src at once (either may be -1 for none). */
+t3d_result_t t3d__sendrecv(t3d_exec_t *ex, uint32_t step, int dst, const void *sbuf, size_t sbytes, int src,
+                           void *rbuf, size_t rbytes);
+
+/* ---------- algorithms (c_src/algo/). All run on the progress thread with blocking semantics. ----------
+ * Reducing ones see only T3D_SUM, PROD, MIN, MAX, BAND, BOR, BXOR on non-half dtypes: the front end (coll.c)
+ * converts half types to float32, applies PREMUL_SUM's scalar before and AVG's division after. */
+t3d_result_t t3d__algo_allreduce(t3d_exec_t *ex, const void *sendbuf, void *recvbuf, size_t count, t3d_dtype_t dt,
+                                 t3d_redop_t op);
+t3d_result_t t3d__algo_reduce(t3d_exec_t *ex, const void *sendbuf, void *recvbuf, size_t count, t3d_dtype_t dt,
+                              t3d_redop_t op, int root);
+t3d_result_t t3d__algo_reduce_scatterv(t3d_exec_t *ex, const void *sendbuf, void *recvbuf, const size_t *counts,
+                                       t3d_dtype_t dt, t3d_redop_t op);
+t3d_result_t t3d__algo_broadcast(t3d_exec_t *ex, void *buf, size_t bytes, int root);
+t3d_result_t t3d__algo_allgatherv(t3d_exec_t *ex, const void *sendbuf, void *recvbuf, const size_t *bytes,
+                                  const size_t *displs_bytes);
+t3d_result_t t3d__algo_gather(t3d_exec_t *ex, const void *sendbuf, void *recvbuf, size_t bytes, int root);
+t3d_result_t t3d__algo_scatter(t3d_exec_t *ex, const void *sendbuf, void *recvbuf, size_t bytes, int root);
+t3d_result_t t3d__algo_alltoallv(t3d_exec_t *ex, const void *sendbuf, const size_t *sbytes, const size_t *sdispls,
+                                 void *recvbuf, const size_t *rbytes, const size_t *rdispls);
+t3d_result_t t3d__algo_barrier(t3d_exec_t *ex);
+
+/* ---------- reduction kernels (c_src/reduce.c) ---------- */
+/* dst[i] = dst[i] op src[i] for n elements. op is one of SUM, PROD, MIN, MAX, BAND, BOR, BXOR; dt is not half. */
+void t3d__reduce(void *dst, const void *src, size_t n, t3d_dtype_t dt, t3d_redop_t op);
+/* buf[i] *= s (floating and complex types; integers multiply and truncate). */
+void t3d__scale(void *buf, size_t n, t3d_dtype_t dt, double s);
+/* buf[i] /= d (integers truncate). */
+void t3d__divide(void *buf, size_t n, t3d_dtype_t dt, int64_t d);
+/* Half <-> float32 (round to nearest even). */
+void t3d__half_to_float(float *dst, const void *src, size_t n, t3d_dtype_t half_dt);
+void t3d__float_to_half(void *dst, const float *src, size_t n, t3d_dtype_t half_dt);
+
+#endif /* T3D_INTERNAL_H */
