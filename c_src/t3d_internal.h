@@ -51,7 +51,9 @@ uint64_t t3d__now_ns(void);
 typedef struct t3d_xfer {
   atomic_int done;
   t3d_result_t status;
-  size_t bytes;
+  size_t posted; /* length posted (receives: capacity) */
+  size_t bytes;  /* length received */
+  int is_recv;
   int source;
   int peer;     /* the peer it was posted for (-1: any source) */
   void *handle; /* transport-owned */
@@ -79,6 +81,8 @@ typedef struct t3d_transport {
   int (*progress)(void *state);
   /* Gives up a pending transfer (abort or timeout); x->done is set before it returns. */
   void (*cancel)(void *state, t3d_xfer_t *x);
+  /* Nonzero when the transport knows the peer is gone (its pending transfers will never complete). */
+  int (*peer_lost)(void *state, int peer);
   /* Releases a completed transfer's transport resources. */
   void (*release)(void *state, t3d_xfer_t *x);
   void (*fini)(void *state);
@@ -94,8 +98,7 @@ typedef struct t3d_exec {
   uint64_t seq;       /* collective sequence number on this communicator */
   uint64_t deadline_ns;
   int64_t timeout_ms;
-  int waiting_on[8];  /* ranks of the last transfers that did not complete (for messages) */
-  int n_waiting_on;
+  char error[512];    /* text of the first failure, for the request and the communicator */
 } t3d_exec_t;
 
 /* Point-to-point inside a collective. step tells apart messages of the same operation between the same pair;

@@ -1,0 +1,712 @@
+/* comm.c: the communicator engine: init/split/destroy/abort, the progress thread that runs operations in issue
+ * order, requests and their completion, groups, and the point-to-point primitives collectives are built from. */
+#include "comm.h"
+
+#include <errno.h>
+#include <sched.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+/* ---------- errors ---------- */
+
+t3d_result_t t3d__set_error(t3d_comm_t *comm, t3d_result_t res, const char *fmt, ...) {
+  char msg[1024];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, sizeof msg, fmt, ap);
+  va_end(ap);
+  T3D_INFO("%s", msg);
+  if (comm != NULL) {
+    pthread_mutex_lock(&comm->err_mu);
+    snprintf(comm->last_error, sizeof comm->last_error, "%s", msg);
+    pthread_mutex_unlock(&comm->err_mu);
+  }
+  return res;
+}
+
+const char *t3d_comm_last_error(t3d_comm_t *comm) {
+  /* A per-thread copy: the progress thread may overwrite the communicator's buffer at any time. */
+  static _Thread_local char copy[1024];
+  if (comm == NULL) return "t3d: communicator is NULL";
+  pthread_mutex_lock(&comm->err_mu);
+  memcpy(copy, comm->last_error, sizeof copy);
+  pthread_mutex_unlock(&comm->err_mu);
+  return copy;
+}
+
+/* ---------- store ---------- */
+
+t3d_result_t t3d__store_set(t3d_comm_t *comm, const char *key, const void *value, size_t len) {
+  char full[512];
+  snprintf(full, sizeof full, "%s/%s", comm->prefix, key);
+  t3d_result_t res = comm->store.set(comm->store.ctx, full, value, len);
+  if (res != T3D_OK) {
+    return t3d__set_error(comm, res, "t3d: store set of '%s' failed on rank %d of group '%s': %s", full,
+                          comm->rank, comm->name, t3d_result_string(res));
+  }
+  return T3D_OK;
+}
+
+t3d_result_t t3d__store_get(t3d_comm_t *comm, const char *key, void **value, size_t *len) {
+  char full[512];
+  snprintf(full, sizeof full, "%s/%s", comm->prefix, key);
+  t3d_result_t res = comm->store.get(comm->store.ctx, full, value, len, comm->timeout_ms);
+  if (res != T3D_OK) {
+    return t3d__set_error(comm, res, "t3d: store get of '%s' failed on rank %d of group '%s' after %lld ms: %s",
+                          full, comm->rank, comm->name, (long long)comm->timeout_ms, t3d_result_string(res));
+  }
+  return T3D_OK;
+}
+
+/* ---------- waiting: spin briefly, then yield, then sleep (ranks often outnumber cores) ---------- */
+
+typedef struct {
+  unsigned n;
+} backoff_t;
+
+static void backoff_wait(backoff_t *b) {
+  b->n++;
+  if (b->n < 128) {
+    __builtin_ia32_pause();
+  } else if (b->n < 512) {
+    sched_yield();
+  } else {
+    unsigned us = b->n < 1024 ? 10 : 50;
+    struct timespec ts = {0, (long)us * 1000};
+    nanosleep(&ts, NULL);
+  }
+}
+
+/* ---------- requests ---------- */
+
+t3d_result_t t3d__request_new(t3d_comm_t *comm, t3d_op_kind_t kind, const t3d_opts_t *opts, t3d_request_t **out) {
+  t3d_request_t *r = calloc(1, sizeof *r);
+  if (r == NULL) return t3d__set_error(comm, T3D_ERR_NO_MEMORY, "t3d: out of memory for a request");
+  r->comm = comm;
+  r->kind = kind;
+  atomic_init(&r->done, 0);
+  atomic_init(&r->refs, 2);
+  pthread_mutex_init(&r->mu, NULL);
+  pthread_cond_init(&r->cv, NULL);
+  r->timeout_ms = (opts != NULL && opts->timeout_ms > 0) ? opts->timeout_ms : comm->timeout_ms;
+  r->scalar = opts != NULL ? opts->premul_scalar : 1.0;
+  r->source = -1;
+  *out = r;
+  return T3D_OK;
+}
+
+static void request_destroy(t3d_request_t *r) {
+  pthread_mutex_destroy(&r->mu);
+  pthread_cond_destroy(&r->cv);
+  free(r->errmsg);
+  free(r->arrays);
+  free(r);
+}
+
+void t3d__request_release(t3d_request_t *r) {
+  if (atomic_fetch_sub(&r->refs, 1) == 1) request_destroy(r);
+}
+
+void t3d_request_free(t3d_request_t *req) {
+  if (req != NULL) t3d__request_release(req);
+}
+
+static void complete(t3d_request_t *r, t3d_result_t res, const char *msg) {
+  r->result = res;
+  if (res < 0 && msg != NULL && msg[0] != '\0') r->errmsg = strdup(msg);
+  pthread_mutex_lock(&r->mu);
+  atomic_store_explicit(&r->done, 1, memory_order_release);
+  t3d_callback_t cb = r->cb;
+  void *arg = r->cb_arg;
+  r->cb = NULL;
+  pthread_cond_broadcast(&r->cv);
+  pthread_mutex_unlock(&r->mu);
+  if (cb != NULL) cb(arg, res);
+  t3d_request_t *parent = r->parent;
+  if (parent != NULL) {
+    if (res < 0 && parent->first_child_error == T3D_OK) {
+      parent->first_child_error = res;
+      if (r->errmsg != NULL) parent->errmsg = strdup(r->errmsg);
+    }
+    if (atomic_fetch_sub(&parent->pending_children, 1) == 1) {
+      char *pmsg = parent->errmsg;
+      parent->errmsg = NULL;
+      complete(parent, parent->first_child_error, pmsg);
+      free(pmsg);
+    }
+  }
+  t3d__request_release(r); /* the engine's reference */
+}
+
+t3d_result_t t3d_test(t3d_request_t *req) {
+  if (req == NULL) return T3D_ERR_INVALID_ARG;
+  if (!atomic_load_explicit(&req->done, memory_order_acquire)) return T3D_IN_PROGRESS;
+  return req->result;
+}
+
+t3d_result_t t3d_wait(t3d_request_t *req, int64_t timeout_ms) {
+  if (req == NULL) return T3D_ERR_INVALID_ARG;
+  for (int i = 0; i < 2000; i++) {
+    if (atomic_load_explicit(&req->done, memory_order_acquire)) return req->result;
+    __builtin_ia32_pause();
+  }
+  struct timespec dl;
+  clock_gettime(CLOCK_REALTIME, &dl);
+  if (timeout_ms >= 0) {
+    dl.tv_sec += timeout_ms / 1000;
+    dl.tv_nsec += (timeout_ms % 1000) * 1000000L;
+    if (dl.tv_nsec >= 1000000000L) {
+      dl.tv_sec++;
+      dl.tv_nsec -= 1000000000L;
+    }
+  }
+  pthread_mutex_lock(&req->mu);
+  int rc = 0;
+  while (!atomic_load_explicit(&req->done, memory_order_acquire) && rc != ETIMEDOUT) {
+    rc = timeout_ms >= 0 ? pthread_cond_timedwait(&req->cv, &req->mu, &dl) : pthread_cond_wait(&req->cv, &req->mu);
+  }
+  pthread_mutex_unlock(&req->mu);
+  if (!atomic_load_explicit(&req->done, memory_order_acquire)) return T3D_ERR_TIMEOUT;
+  return req->result;
+}
+
+const char *t3d_request_error(t3d_request_t *req) {
+  if (req == NULL || !atomic_load_explicit(&req->done, memory_order_acquire) || req->errmsg == NULL) return "";
+  return req->errmsg;
+}
+
+int t3d_request_source(t3d_request_t *req) { return req != NULL ? req->source : -1; }
+size_t t3d_request_count(t3d_request_t *req) { return req != NULL ? req->recv_count : 0; }
+
+t3d_result_t t3d_request_set_callback(t3d_request_t *req, t3d_callback_t fn, void *arg) {
+  if (req == NULL || fn == NULL) return T3D_ERR_INVALID_ARG;
+  pthread_mutex_lock(&req->mu);
+  int done = atomic_load_explicit(&req->done, memory_order_acquire);
+  if (!done) {
+    req->cb = fn;
+    req->cb_arg = arg;
+  }
+  pthread_mutex_unlock(&req->mu);
+  if (done) fn(arg, req->result);
+  return T3D_OK;
+}
+
+/* ---------- submission ---------- */
+
+static void enqueue(t3d_comm_t *comm, t3d_request_t *r) {
+  pthread_mutex_lock(&comm->mu);
+  r->next = NULL;
+  if (comm->q_tail != NULL) comm->q_tail->next = r;
+  else comm->q_head = r;
+  comm->q_tail = r;
+  pthread_cond_signal(&comm->cv);
+  pthread_mutex_unlock(&comm->mu);
+}
+
+static int is_collective(t3d_op_kind_t k) { return k != T3D_OP_SEND && k != T3D_OP_RECV && k != T3D_OP_GROUP; }
+
+t3d_result_t t3d__submit(t3d_comm_t *comm, t3d_request_t *r, t3d_request_t **out) {
+  /* Sequence numbers are given at issue time: every rank issues collectives in the same order, so they agree. */
+  if (is_collective(r->kind)) {
+    pthread_mutex_lock(&comm->mu);
+    r->seq = ++comm->coll_seq;
+    pthread_mutex_unlock(&comm->mu);
+  }
+  *out = r;
+  if (comm->group_depth > 0) {
+    r->next_child = NULL;
+    if (comm->group_tail != NULL) comm->group_tail->next_child = r;
+    else comm->group_head = r;
+    comm->group_tail = r;
+    return T3D_OK;
+  }
+  enqueue(comm, r);
+  return T3D_OK;
+}
+
+t3d_result_t t3d_group_start(t3d_comm_t *comm) {
+  if (comm == NULL) return T3D_ERR_INVALID_ARG;
+  comm->group_depth++;
+  return T3D_OK;
+}
+
+t3d_result_t t3d_group_end(t3d_comm_t *comm, t3d_request_t **req) {
+  if (comm == NULL) return T3D_ERR_INVALID_ARG;
+  if (comm->group_depth == 0) {
+    return t3d__set_error(comm, T3D_ERR_INVALID_ARG, "t3d_group_end: no open group on rank %d of group '%s'",
+                          comm->rank, comm->name);
+  }
+  if (--comm->group_depth > 0) {
+    if (req != NULL) *req = NULL;
+    return T3D_OK;
+  }
+  t3d_request_t *g = NULL;
+  T3D_CHECK(t3d__request_new(comm, T3D_OP_GROUP, NULL, &g));
+  g->children = comm->group_head;
+  comm->group_head = comm->group_tail = NULL;
+  int n = 0;
+  for (t3d_request_t *c = g->children; c != NULL; c = c->next_child) {
+    c->parent = g;
+    n++;
+  }
+  /* One extra count held by the engine until every child has been issued, so the group cannot complete early. */
+  atomic_init(&g->pending_children, n + 1);
+  enqueue(comm, g);
+  if (req != NULL) *req = g;
+  else t3d__request_release(g);
+  return T3D_OK;
+}
+
+/* ---------- point-to-point primitives for algorithms ---------- */
+
+static void poll_p2p(t3d_comm_t *comm);
+
+t3d_result_t t3d__isend(t3d_exec_t *ex, int peer, uint32_t step, const void *buf, size_t bytes, t3d_xfer_t *x) {
+  t3d_comm_t *c = ex->comm;
+  return c->tp->isend(c->tp_state, peer, t3d__coll_tag(ex->seq, step, ex->rank), buf, bytes, x);
+}
+
+t3d_result_t t3d__irecv(t3d_exec_t *ex, int peer, uint32_t step, void *buf, size_t bytes, t3d_xfer_t *x) {
+  t3d_comm_t *c = ex->comm;
+  return c->tp->irecv(c->tp_state, peer, t3d__coll_tag(ex->seq, step, peer), ~0ull, buf, bytes, x);
+}
+
+static const char *fail_verb(t3d_result_t res) {
+  switch (res) {
+    case T3D_ERR_TIMEOUT: return "timed out";
+    case T3D_ERR_PEER_LOST: return "lost its connection";
+    case T3D_ERR_ABORTED: return "was aborted";
+    default: return "failed";
+  }
+}
+
+t3d_result_t t3d__waitall(t3d_exec_t *ex, t3d_xfer_t *xs, int n) {
+  t3d_comm_t *c = ex->comm;
+  t3d_result_t res = T3D_OK;
+  backoff_t b = {0};
+  for (;;) {
+    int pending = 0, lost = -1;
+    for (int i = 0; i < n; i++) {
+      if (atomic_load_explicit(&xs[i].done, memory_order_acquire)) continue;
+      pending++;
+      if (c->tp->peer_lost(c->tp_state, xs[i].peer)) lost = xs[i].peer;
+    }
+    if (pending == 0) break;
+    if (atomic_load(&c->aborted)) res = T3D_ERR_ABORTED;
+    else if (lost >= 0) res = T3D_ERR_PEER_LOST;
+    else if (t3d__now_ns() > ex->deadline_ns) res = T3D_ERR_TIMEOUT;
+    if (res != T3D_OK) break;
+    int progressed = c->tp->progress(c->tp_state);
+    poll_p2p(c);
+    if (progressed) b.n = 0;
+    else backoff_wait(&b);
+  }
+  if (res != T3D_OK) {
+    /* Name the ranks we were still waiting for: that is what a user debugging a hang needs first. */
+    char ranks[256] = "";
+    size_t len = 0;
+    for (int i = 0; i < n; i++) {
+      if (atomic_load_explicit(&xs[i].done, memory_order_acquire) || len + 16 >= sizeof ranks) continue;
+      len += (size_t)snprintf(ranks + len, sizeof ranks - len, "%s%d", len ? ", " : "", xs[i].peer);
+      c->tp->cancel(c->tp_state, &xs[i]);
+    }
+    snprintf(ex->error, sizeof ex->error,
+             "t3d: %s #%llu on group '%s' (rank %d of %d) %s (timeout %lld ms); still waiting for rank(s) %s", ex->opname,
+             (unsigned long long)ex->seq, c->name, ex->rank, ex->size, fail_verb(res), (long long)ex->timeout_ms,
+             ranks);
+  } else {
+    for (int i = 0; i < n; i++) {
+      if (xs[i].status != T3D_OK) {
+        res = xs[i].status;
+        snprintf(ex->error, sizeof ex->error, "t3d: %s #%llu on group '%s' (rank %d of %d): transfer with rank %d: %s",
+                 ex->opname, (unsigned long long)ex->seq, c->name, ex->rank, ex->size, xs[i].peer,
+                 t3d_result_string(res));
+        break;
+      }
+      if (xs[i].is_recv && xs[i].bytes != xs[i].posted) {
+        res = T3D_ERR_MISMATCH;
+        snprintf(ex->error, sizeof ex->error,
+                 "t3d: %s #%llu on group '%s' (rank %d of %d): rank %d sent %zu bytes where %zu were expected "
+                 "(ranks disagree on the size of the operation)",
+                 ex->opname, (unsigned long long)ex->seq, c->name, ex->rank, ex->size, xs[i].peer, xs[i].bytes,
+                 xs[i].posted);
+        break;
+      }
+    }
+  }
+  for (int i = 0; i < n; i++) c->tp->release(c->tp_state, &xs[i]);
+  return res;
+}
+
+t3d_result_t t3d__sendrecv(t3d_exec_t *ex, uint32_t step, int dst, const void *sbuf, size_t sbytes, int src,
+                           void *rbuf, size_t rbytes) {
+  t3d_xfer_t xs[2];
+  int n = 0;
+  if (src >= 0) T3D_CHECK(t3d__irecv(ex, src, step, rbuf, rbytes, &xs[n++]));
+  if (dst >= 0) T3D_CHECK(t3d__isend(ex, dst, step, sbuf, sbytes, &xs[n++]));
+  return t3d__waitall(ex, xs, n);
+}
+
+/* ---------- the progress thread ---------- */
+
+static void fail_comm(t3d_comm_t *comm, t3d_result_t res, const char *msg) {
+  int expected = 0;
+  if (atomic_compare_exchange_strong(&comm->fatal, &expected, (int)res)) {
+    snprintf(comm->fatal_msg, sizeof comm->fatal_msg, "%s", msg);
+  }
+  t3d__set_error(comm, res, "%s", msg);
+}
+
+static void post_p2p(t3d_comm_t *comm, t3d_request_t *r) {
+  size_t bytes = r->count * t3d_dtype_size(r->dtype);
+  r->deadline_ns = t3d__now_ns() + (uint64_t)r->timeout_ms * 1000000ull;
+  t3d_result_t res;
+  if (r->kind == T3D_OP_SEND) {
+    res = comm->tp->isend(comm->tp_state, r->root, t3d__p2p_tag(r->tag, comm->rank), r->sendbuf, bytes, &r->xfer);
+  } else {
+    uint64_t mask = r->root == T3D_ANY_SOURCE ? ~T3D_TAG_SRC_MASK : ~0ull;
+    int src = r->root == T3D_ANY_SOURCE ? 0 : r->root;
+    res = comm->tp->irecv(comm->tp_state, r->root, t3d__p2p_tag(r->tag, src), mask, r->recvbuf, bytes, &r->xfer);
+  }
+  if (res != T3D_OK) {
+    char msg[256];
+    snprintf(msg, sizeof msg, "t3d: %s on group '%s' (rank %d) could not be posted: %s",
+             r->kind == T3D_OP_SEND ? "send" : "recv", comm->name, comm->rank, t3d_result_string(res));
+    complete(r, res, msg);
+    return;
+  }
+  r->next = comm->active_p2p;
+  comm->active_p2p = r;
+}
+
+/* Completes the point-to-point requests whose transfers finished, failed, timed out or were aborted. */
+static void poll_p2p(t3d_comm_t *comm) {
+  t3d_request_t **link = &comm->active_p2p;
+  uint64_t now = 0;
+  while (*link != NULL) {
+    t3d_request_t *r = *link;
+    t3d_xfer_t *x = &r->xfer;
+    const char *what = r->kind == T3D_OP_SEND ? "send to" : "recv from";
+    char msg[512];
+    t3d_result_t res = T3D_IN_PROGRESS;
+    msg[0] = '\0';
+    if (atomic_load_explicit(&x->done, memory_order_acquire)) {
+      res = x->status;
+      if (res == T3D_OK && r->kind == T3D_OP_RECV) {
+        r->source = x->source;
+        r->recv_count = x->bytes / t3d_dtype_size(r->dtype);
+      } else if (res == T3D_ERR_MISMATCH) {
+        snprintf(msg, sizeof msg, "t3d: recv on group '%s' (rank %d, tag %lld): the message is larger than the "
+                 "%zu-element receive buffer", comm->name, comm->rank, (long long)r->tag, r->count);
+      } else if (res < 0) {
+        snprintf(msg, sizeof msg, "t3d: %s rank %d on group '%s' (rank %d, tag %lld) failed: %s", what, r->root,
+                 comm->name, comm->rank, (long long)r->tag, t3d_result_string(res));
+      }
+    } else {
+      if (now == 0) now = t3d__now_ns();
+      if (atomic_load(&comm->aborted)) res = T3D_ERR_ABORTED;
+      else if (comm->tp->peer_lost(comm->tp_state, r->root)) res = T3D_ERR_PEER_LOST;
+      else if (now > r->deadline_ns) res = T3D_ERR_TIMEOUT;
+      if (res != T3D_IN_PROGRESS) {
+        comm->tp->cancel(comm->tp_state, x);
+        snprintf(msg, sizeof msg, "t3d: %s rank %d on group '%s' (rank %d, tag %lld) %s (timeout %lld ms)", what,
+                 r->root, comm->name, comm->rank, (long long)r->tag, fail_verb(res), (long long)r->timeout_ms);
+      }
+    }
+    if (res == T3D_IN_PROGRESS) {
+      link = &r->next;
+      continue;
+    }
+    *link = r->next;
+    comm->tp->release(comm->tp_state, x);
+    complete(r, res, msg);
+  }
+}
+
+static const char *op_name(t3d_op_kind_t k) {
+  static const char *names[] = {"allreduce", "broadcast",     "reduce",   "allgather", "gather", "scatter",
+                                "reduce_scatter", "alltoall", "barrier", "send",      "recv",   "group"};
+  return names[k];
+}
+
+static void run_collective(t3d_comm_t *comm, t3d_request_t *r) {
+  int fatal = atomic_load(&comm->fatal);
+  if (fatal != 0) {
+    char msg[700];
+    snprintf(msg, sizeof msg, "t3d: %s #%llu on group '%s' (rank %d) not run: the communicator is broken by an "
+             "earlier error: %s", op_name(r->kind), (unsigned long long)r->seq, comm->name, comm->rank,
+             comm->fatal_msg);
+    complete(r, (t3d_result_t)fatal, msg);
+    return;
+  }
+  t3d_exec_t ex;
+  memset(&ex, 0, sizeof ex);
+  ex.comm = comm;
+  ex.rank = comm->rank;
+  ex.size = comm->size;
+  ex.opname = op_name(r->kind);
+  ex.seq = r->seq;
+  ex.timeout_ms = r->timeout_ms;
+  ex.deadline_ns = t3d__now_ns() + (uint64_t)r->timeout_ms * 1000000ull;
+  t3d_result_t res = t3d__execute(&ex, r);
+  if (res < 0) {
+    if (ex.error[0] == '\0') {
+      snprintf(ex.error, sizeof ex.error, "t3d: %s #%llu on group '%s' (rank %d of %d) failed: %s", ex.opname,
+               (unsigned long long)ex.seq, comm->name, comm->rank, comm->size, t3d_result_string(res));
+    }
+    /* A collective that failed half-way leaves peers out of step: nothing later on this communicator can be
+     * trusted, so it fails fast (as NCCL does) instead of mismatching messages. */
+    if (res == T3D_ERR_TIMEOUT || res == T3D_ERR_PEER_LOST || res == T3D_ERR_ABORTED || res == T3D_ERR_MISMATCH ||
+        res == T3D_ERR_TRANSPORT) {
+      fail_comm(comm, res, ex.error);
+    } else {
+      t3d__set_error(comm, res, "%s", ex.error);
+    }
+  }
+  complete(r, res, ex.error);
+}
+
+static void run_request(t3d_comm_t *comm, t3d_request_t *r) {
+  if (r->kind == T3D_OP_SEND || r->kind == T3D_OP_RECV) {
+    if (atomic_load(&comm->aborted)) {
+      complete(r, T3D_ERR_ABORTED, "t3d: point-to-point operation aborted");
+      return;
+    }
+    post_p2p(comm, r);
+  } else if (r->kind == T3D_OP_GROUP) {
+    /* Point-to-point first: any pairing of sends and receives inside the group then matches without deadlock. */
+    t3d_request_t *c, *next;
+    for (c = r->children; c != NULL; c = next) {
+      next = c->next_child;
+      if (c->kind == T3D_OP_SEND || c->kind == T3D_OP_RECV) run_request(comm, c);
+    }
+    for (c = r->children; c != NULL; c = next) {
+      next = c->next_child;
+      if (c->kind != T3D_OP_SEND && c->kind != T3D_OP_RECV) run_request(comm, c);
+    }
+    if (atomic_fetch_sub(&r->pending_children, 1) == 1) {
+      char *msg = r->errmsg;
+      r->errmsg = NULL;
+      complete(r, r->first_child_error, msg);
+      free(msg);
+    }
+  } else {
+    run_collective(comm, r);
+  }
+}
+
+static void *progress_main(void *arg) {
+  t3d_comm_t *comm = arg;
+  backoff_t b = {0};
+  unsigned idle_ms = 1;
+  for (;;) {
+    pthread_mutex_lock(&comm->mu);
+    /* Fully idle: block, but wake now and then to let the transport push out buffered bytes. */
+    while (comm->q_head == NULL && comm->active_p2p == NULL && !comm->stop) {
+      struct timespec dl;
+      clock_gettime(CLOCK_REALTIME, &dl);
+      dl.tv_nsec += (long)idle_ms * 1000000L;
+      if (dl.tv_nsec >= 1000000000L) {
+        dl.tv_sec++;
+        dl.tv_nsec -= 1000000000L;
+      }
+      int rc = pthread_cond_timedwait(&comm->cv, &comm->mu, &dl);
+      if (rc == ETIMEDOUT) {
+        pthread_mutex_unlock(&comm->mu);
+        comm->tp->progress(comm->tp_state);
+        pthread_mutex_lock(&comm->mu);
+        if (idle_ms < 64) idle_ms *= 2;
+      }
+    }
+    t3d_request_t *r = comm->q_head;
+    if (r != NULL) {
+      comm->q_head = r->next;
+      if (comm->q_head == NULL) comm->q_tail = NULL;
+    }
+    int stop = comm->stop && r == NULL && comm->active_p2p == NULL;
+    pthread_mutex_unlock(&comm->mu);
+    if (stop) break;
+    idle_ms = 1;
+    if (r != NULL) {
+      run_request(comm, r);
+      b.n = 0;
+    }
+    if (comm->active_p2p != NULL) {
+      int progressed = comm->tp->progress(comm->tp_state);
+      t3d_request_t *before = comm->active_p2p;
+      poll_p2p(comm);
+      if (progressed || before != comm->active_p2p) b.n = 0;
+      else if (comm->q_head == NULL) backoff_wait(&b);
+    }
+  }
+  return NULL;
+}
+
+/* ---------- communicator lifetime ---------- */
+
+void t3d_config_init(t3d_config_t *cfg) {
+  if (cfg == NULL) return;
+  cfg->timeout_ms = 0;
+  cfg->name = NULL;
+  cfg->key_prefix = NULL;
+  cfg->transport = NULL;
+}
+
+static t3d_result_t pick_transport(t3d_comm_t *comm, const char *want) {
+  if (want == NULL) want = t3d__env_str("T3D_TRANSPORT", "auto");
+  if (strcmp(want, "auto") == 0 || strcmp(want, "ucx") == 0) {
+    comm->tp = &t3d__transport_ucx;
+    return T3D_OK;
+  }
+  return t3d__set_error(comm, T3D_ERR_UNSUPPORTED,
+                        "t3d_comm_init: transport '%s' (T3D_TRANSPORT or config) is not available on rank %d; this "
+                        "build has: auto, ucx", want, comm->rank);
+}
+
+static void comm_free(t3d_comm_t *comm) {
+  pthread_mutex_destroy(&comm->mu);
+  pthread_cond_destroy(&comm->cv);
+  pthread_mutex_destroy(&comm->err_mu);
+  free(comm);
+}
+
+t3d_result_t t3d_comm_init(t3d_comm_t **out, int rank, int size, const t3d_store_t *store, const t3d_config_t *cfg) {
+  if (out == NULL) return T3D_ERR_INVALID_ARG;
+  *out = NULL;
+  if (size < 1 || size > 65535 || rank < 0 || rank >= size || store == NULL || store->set == NULL ||
+      store->get == NULL) {
+    T3D_WARN("t3d_comm_init: invalid argument: rank %d, size %d, store %p", rank, size, (const void *)store);
+    return T3D_ERR_INVALID_ARG;
+  }
+  t3d_comm_t *comm = calloc(1, sizeof *comm);
+  if (comm == NULL) return T3D_ERR_NO_MEMORY;
+  pthread_mutex_init(&comm->mu, NULL);
+  pthread_cond_init(&comm->cv, NULL);
+  pthread_mutex_init(&comm->err_mu, NULL);
+  comm->rank = rank;
+  comm->size = size;
+  comm->store = *store;
+  t3d_config_t dflt;
+  t3d_config_init(&dflt);
+  if (cfg == NULL) cfg = &dflt;
+  comm->timeout_ms = cfg->timeout_ms > 0 ? cfg->timeout_ms : t3d__env_int("T3D_TIMEOUT_MS", 600000);
+  snprintf(comm->name, sizeof comm->name, "%s", cfg->name ? cfg->name : "comm");
+  snprintf(comm->prefix, sizeof comm->prefix, "%s", cfg->key_prefix ? cfg->key_prefix : "t3d");
+
+  t3d_result_t res = pick_transport(comm, cfg->transport);
+  if (res == T3D_OK) res = comm->tp->init(comm, &comm->tp_state);
+  if (res != T3D_OK) {
+    /* The caller has no communicator to ask, so the reason goes to the log as well. */
+    T3D_WARN("%s", comm->last_error);
+    comm_free(comm);
+    return res;
+  }
+  if (pthread_create(&comm->thread, NULL, progress_main, comm) != 0) {
+    comm->tp->fini(comm->tp_state);
+    comm_free(comm);
+    return T3D_ERR_SYSTEM;
+  }
+  comm->thread_started = 1;
+  T3D_INFO("comm '%s' rank %d/%d up over %s", comm->name, rank, size, comm->tp->name);
+  *out = comm;
+  return T3D_OK;
+}
+
+t3d_result_t t3d_comm_destroy(t3d_comm_t *comm) {
+  if (comm == NULL) return T3D_ERR_INVALID_ARG;
+  if (comm->thread_started) {
+    pthread_mutex_lock(&comm->mu);
+    comm->stop = 1;
+    pthread_cond_signal(&comm->cv);
+    pthread_mutex_unlock(&comm->mu);
+    pthread_join(comm->thread, NULL);
+  }
+  comm->tp->fini(comm->tp_state);
+  comm_free(comm);
+  return T3D_OK;
+}
+
+t3d_result_t t3d_comm_abort(t3d_comm_t *comm) {
+  if (comm == NULL) return T3D_ERR_INVALID_ARG;
+  int expected = 0;
+  if (atomic_compare_exchange_strong(&comm->fatal, &expected, (int)T3D_ERR_ABORTED)) {
+    snprintf(comm->fatal_msg, sizeof comm->fatal_msg, "t3d: group '%s' was aborted on rank %d", comm->name,
+             comm->rank);
+  }
+  atomic_store(&comm->aborted, 1);
+  pthread_mutex_lock(&comm->mu);
+  pthread_cond_signal(&comm->cv);
+  pthread_mutex_unlock(&comm->mu);
+  return T3D_OK;
+}
+
+int t3d_comm_rank(const t3d_comm_t *comm) { return comm ? comm->rank : -1; }
+int t3d_comm_size(const t3d_comm_t *comm) { return comm ? comm->size : -1; }
+t3d_result_t t3d_comm_status(t3d_comm_t *comm) {
+  return comm ? (t3d_result_t)atomic_load(&comm->fatal) : T3D_ERR_INVALID_ARG;
+}
+const char *t3d_comm_transport(const t3d_comm_t *comm) { return comm && comm->tp ? comm->tp->name : ""; }
+
+typedef struct {
+  int key, rank;
+} split_member_t;
+
+static int member_cmp(const void *a, const void *b) {
+  const split_member_t *x = a, *y = b;
+  if (x->key != y->key) return x->key < y->key ? -1 : 1;
+  return x->rank < y->rank ? -1 : (x->rank > y->rank);
+}
+
+t3d_result_t t3d_comm_split(t3d_comm_t *parent, int color, int key, const t3d_config_t *cfg, t3d_comm_t **newcomm) {
+  if (parent == NULL || newcomm == NULL) return T3D_ERR_INVALID_ARG;
+  *newcomm = NULL;
+  if (color < 0 && color != T3D_SPLIT_NOCOLOR) {
+    return t3d__set_error(parent, T3D_ERR_INVALID_ARG,
+                          "t3d_comm_split: invalid argument 'color' (%d) on rank %d of group '%s': must be >= 0 or "
+                          "T3D_SPLIT_NOCOLOR", color, parent->rank, parent->name);
+  }
+  int n = parent->size;
+  int mine[2] = {color, key};
+  int *all = malloc(sizeof(int) * 2 * (size_t)n);
+  split_member_t *members = malloc(sizeof *members * (size_t)n);
+  if (all == NULL || members == NULL) {
+    free(all);
+    free(members);
+    return T3D_ERR_NO_MEMORY;
+  }
+  t3d_request_t *r = NULL;
+  t3d_result_t res = t3d_allgather(parent, mine, all, 2, T3D_INT32, NULL, &r);
+  if (res == T3D_OK) {
+    res = t3d_wait(r, -1);
+    t3d_request_free(r);
+  }
+  pthread_mutex_lock(&parent->mu);
+  int split_id = parent->split_count++;
+  pthread_mutex_unlock(&parent->mu);
+  int count = 0, newrank = -1;
+  if (res == T3D_OK && color != T3D_SPLIT_NOCOLOR) {
+    for (int p = 0; p < n; p++) {
+      if (all[2 * p] == color) members[count++] = (split_member_t){all[2 * p + 1], p};
+    }
+    qsort(members, (size_t)count, sizeof *members, member_cmp);
+    for (int i = 0; i < count; i++) {
+      if (members[i].rank == parent->rank) newrank = i;
+    }
+    t3d_config_t c;
+    t3d_config_init(&c);
+    if (cfg != NULL) c = *cfg;
+    if (c.timeout_ms <= 0) c.timeout_ms = parent->timeout_ms;
+    if (c.name == NULL) c.name = "split";
+    char prefix[300];
+    snprintf(prefix, sizeof prefix, "%s/split%d/color%d", parent->prefix, split_id, color);
+    c.key_prefix = prefix;
+    if (c.transport == NULL) c.transport = parent->tp->name;
+    res = t3d_comm_init(newcomm, newrank, count, &parent->store, &c);
+  }
+  free(all);
+  free(members);
+  return res;
+}

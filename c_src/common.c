@@ -1,0 +1,108 @@
+/* common.c: result strings, logging (T3D_DEBUG, T3D_DEBUG_FILE), typed cached environment getters, clocks and
+ * message tags. */
+#include "t3d_internal.h"
+
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <time.h>
+#include <unistd.h>
+
+const char *t3d_result_string(t3d_result_t res) {
+  switch (res) {
+    case T3D_OK: return "T3D_OK";
+    case T3D_IN_PROGRESS: return "T3D_IN_PROGRESS";
+    case T3D_ERR_INVALID_ARG: return "T3D_ERR_INVALID_ARG";
+    case T3D_ERR_TIMEOUT: return "T3D_ERR_TIMEOUT";
+    case T3D_ERR_PEER_LOST: return "T3D_ERR_PEER_LOST";
+    case T3D_ERR_ABORTED: return "T3D_ERR_ABORTED";
+    case T3D_ERR_MISMATCH: return "T3D_ERR_MISMATCH";
+    case T3D_ERR_NO_MEMORY: return "T3D_ERR_NO_MEMORY";
+    case T3D_ERR_UNSUPPORTED: return "T3D_ERR_UNSUPPORTED";
+    case T3D_ERR_SYSTEM: return "T3D_ERR_SYSTEM";
+    case T3D_ERR_TRANSPORT: return "T3D_ERR_TRANSPORT";
+    case T3D_ERR_INTERNAL: return "T3D_ERR_INTERNAL";
+  }
+  return "T3D_ERR_UNKNOWN";
+}
+
+uint64_t t3d__now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+int64_t t3d__env_int(const char *name, int64_t dflt) {
+  const char *s = getenv(name);
+  if (s == NULL || *s == '\0') return dflt;
+  char *end = NULL;
+  long long v = strtoll(s, &end, 0);
+  if (end == s || *end != '\0') {
+    T3D_WARN("ignoring %s=%s: not an integer", name, s);
+    return dflt;
+  }
+  return (int64_t)v;
+}
+
+const char *t3d__env_str(const char *name, const char *dflt) {
+  const char *s = getenv(name);
+  return (s != NULL && *s != '\0') ? s : dflt;
+}
+
+/* The level is read once: logging sits on hot paths and getenv is not free. */
+static int log_level = -1;
+static FILE *log_file;
+static pthread_once_t log_once = PTHREAD_ONCE_INIT;
+
+static void log_init(void) {
+  const char *s = t3d__env_str("T3D_DEBUG", "");
+  int level = T3D_LOG_NONE;
+  if (strcasecmp(s, "WARN") == 0) level = T3D_LOG_WARN;
+  else if (strcasecmp(s, "INFO") == 0) level = T3D_LOG_INFO;
+  else if (strcasecmp(s, "TRACE") == 0) level = T3D_LOG_TRACE;
+  log_file = stderr;
+  const char *path = t3d__env_str("T3D_DEBUG_FILE", NULL);
+  if (path != NULL) {
+    char name[512];
+    snprintf(name, sizeof name, "%s.%d", path, (int)getpid());
+    FILE *f = fopen(name, "a");
+    if (f != NULL) log_file = f;
+  }
+  __atomic_store_n(&log_level, level, __ATOMIC_RELEASE);
+}
+
+int t3d__log_level(void) {
+  int l = __atomic_load_n(&log_level, __ATOMIC_ACQUIRE);
+  if (l >= 0) return l;
+  pthread_once(&log_once, log_init);
+  return __atomic_load_n(&log_level, __ATOMIC_ACQUIRE);
+}
+
+void t3d__log(int level, const char *file, int line, const char *fmt, ...) {
+  static const char *names[] = {"", "WARN", "INFO", "TRACE"};
+  char msg[1024];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, sizeof msg, fmt, ap);
+  va_end(ap);
+  const char *base = strrchr(file, '/');
+  fprintf(log_file, "t3d %d %s %s:%d %s\n", (int)getpid(), names[level], base ? base + 1 : file, line, msg);
+  fflush(log_file);
+}
+
+/* Tags: 2 bits kind | 26 bits sequence (or user tag) | 20 bits step | 16 bits source. P2P user tags get 30 bits:
+ * the 26 sequence bits plus the top 4 step bits, which collectives of kind P2P never use. */
+uint64_t t3d__coll_tag(uint64_t seq, uint32_t step, int src) {
+  return (T3D_TAG_KIND_COLL << 62) | ((seq & 0x3ffffffull) << 36) | ((uint64_t)(step & 0xfffffu) << 16) |
+         ((uint64_t)src & T3D_TAG_SRC_MASK);
+}
+
+uint64_t t3d__p2p_tag(int64_t user_tag, int src) {
+  return (T3D_TAG_KIND_P2P << 62) | (((uint64_t)user_tag & 0x3fffffffull) << 32) |
+         ((uint64_t)src & T3D_TAG_SRC_MASK);
+}
+
+const char *t3d_version_string(void) { return "0.1.0"; }
