@@ -63,19 +63,24 @@ t3d_result_t t3d__store_get(t3d_comm_t *comm, const char *key, void **value, siz
 
 /* ---------- waiting: spin briefly, then yield, then sleep (ranks often outnumber cores) ---------- */
 
+/* Time since the last sign of progress decides: pause-spin for ~5 us (a streaming peer answers within that), then
+ * yield for ~2 ms (lets the peer run when ranks outnumber cores), then sleep in short naps. */
 typedef struct {
-  unsigned n;
+  uint64_t since; /* 0: progress just happened */
 } backoff_t;
 
+static void backoff_reset(backoff_t *b) { b->since = 0; }
+
 static void backoff_wait(backoff_t *b) {
-  b->n++;
-  if (b->n < 128) {
-    __builtin_ia32_pause();
-  } else if (b->n < 512) {
+  uint64_t now = t3d__now_ns();
+  if (b->since == 0) b->since = now;
+  uint64_t idle = now - b->since;
+  if (idle < 5000) {
+    for (int i = 0; i < 8; i++) __builtin_ia32_pause();
+  } else if (idle < 2000000) {
     sched_yield();
   } else {
-    unsigned us = b->n < 1024 ? 10 : 50;
-    struct timespec ts = {0, (long)us * 1000};
+    struct timespec ts = {0, 20000};
     nanosleep(&ts, NULL);
   }
 }
@@ -149,9 +154,13 @@ t3d_result_t t3d_test(t3d_request_t *req) {
 
 t3d_result_t t3d_wait(t3d_request_t *req, int64_t timeout_ms) {
   if (req == NULL) return T3D_ERR_INVALID_ARG;
-  for (int i = 0; i < 2000; i++) {
+  /* Spin a little, then yield (the progress threads may need this core), then sleep on the condition variable. */
+  uint64_t yield_until = t3d__now_ns() + 1000000;
+  for (int i = 0;; i++) {
     if (atomic_load_explicit(&req->done, memory_order_acquire)) return req->result;
-    __builtin_ia32_pause();
+    if (i < 100) __builtin_ia32_pause();
+    else if (t3d__now_ns() < yield_until) sched_yield();
+    else break;
   }
   struct timespec dl;
   clock_gettime(CLOCK_REALTIME, &dl);
@@ -301,7 +310,7 @@ t3d_result_t t3d__waitall(t3d_exec_t *ex, t3d_xfer_t *xs, int n) {
     if (res != T3D_OK) break;
     int progressed = c->tp->progress(c->tp_state);
     poll_p2p(c);
-    if (progressed) b.n = 0;
+    if (progressed) backoff_reset(&b);
     else backoff_wait(&b);
   }
   if (res != T3D_OK) {
@@ -503,6 +512,17 @@ static void *progress_main(void *arg) {
   backoff_t b = {0};
   unsigned idle_ms = 1;
   for (;;) {
+    /* Going idle: watch the queue for a short while first; a condition-variable wake-up costs tens of
+     * microseconds, more than a small collective. */
+    if (comm->active_p2p == NULL) {
+      uint64_t until = t3d__now_ns() + 50000;
+      int spins = 0;
+      while (__atomic_load_n(&comm->q_head, __ATOMIC_ACQUIRE) == NULL && !__atomic_load_n(&comm->stop, __ATOMIC_ACQUIRE) &&
+             t3d__now_ns() < until) {
+        if (++spins < 64) __builtin_ia32_pause();
+        else sched_yield();
+      }
+    }
     pthread_mutex_lock(&comm->mu);
     /* Fully idle: block, but wake now and then to let the transport push out buffered bytes. */
     while (comm->q_head == NULL && comm->active_p2p == NULL && !comm->stop) {
@@ -532,13 +552,13 @@ static void *progress_main(void *arg) {
     idle_ms = 1;
     if (r != NULL) {
       run_request(comm, r);
-      b.n = 0;
+      backoff_reset(&b);
     }
     if (comm->active_p2p != NULL) {
       int progressed = comm->tp->progress(comm->tp_state);
       t3d_request_t *before = comm->active_p2p;
       poll_p2p(comm);
-      if (progressed || before != comm->active_p2p) b.n = 0;
+      if (progressed || before != comm->active_p2p) backoff_reset(&b);
       else if (comm->q_head == NULL) backoff_wait(&b);
     }
   }
