@@ -399,10 +399,19 @@ static t3d_result_t run_reducing(t3d_exec_t *ex, t3d_request_t *r) {
       out = tmp_out;
     }
   }
+  int shm = t3d__exec_shm(ex) != NULL;
   switch (r->kind) {
-    case T3D_OP_ALLREDUCE: res = t3d__algo_allreduce(ex, in, out, n_in, wdt, op); break;
-    case T3D_OP_REDUCE: res = t3d__algo_reduce(ex, in, out, n_in, wdt, op, r->root); break;
-    default: res = t3d__algo_reduce_scatterv(ex, in, out, counts, wdt, op); break;
+    case T3D_OP_ALLREDUCE:
+      res = shm ? t3d__shm_allreduce(ex, in, out, n_in, wdt, op) : t3d__algo_allreduce(ex, in, out, n_in, wdt, op);
+      break;
+    case T3D_OP_REDUCE:
+      res = shm ? t3d__shm_reduce(ex, in, out, n_in, wdt, op, r->root)
+                : t3d__algo_reduce(ex, in, out, n_in, wdt, op, r->root);
+      break;
+    default:
+      res = shm ? t3d__shm_reduce_scatterv(ex, in, out, counts, wdt, op)
+                : t3d__algo_reduce_scatterv(ex, in, out, counts, wdt, op);
+      break;
   }
   if (res != T3D_OK) goto out;
   if (r->op == T3D_AVG && n_out > 0) t3d__divide(out, n_out, wdt, ex->size);
@@ -427,20 +436,24 @@ static size_t *to_bytes(const size_t *a, const size_t *b, int n, size_t esize) {
 
 t3d_result_t t3d__execute(t3d_exec_t *ex, t3d_request_t *r) {
   size_t esize = r->kind == T3D_OP_BARRIER ? 1 : t3d_dtype_size(r->dtype);
+  int shm = t3d__exec_shm(ex) != NULL;
   t3d_result_t res;
   size_t *b1 = NULL, *b2 = NULL;
   switch (r->kind) {
     case T3D_OP_ALLREDUCE:
     case T3D_OP_REDUCE:
     case T3D_OP_REDUCE_SCATTERV: return run_reducing(ex, r);
-    case T3D_OP_BROADCAST: return t3d__algo_broadcast(ex, r->recvbuf, r->count * esize, r->root);
+    case T3D_OP_BROADCAST:
+      return shm ? t3d__shm_broadcast(ex, r->recvbuf, r->count * esize, r->root)
+                 : t3d__algo_broadcast(ex, r->recvbuf, r->count * esize, r->root);
     case T3D_OP_GATHER: return t3d__algo_gather(ex, r->sendbuf, r->recvbuf, r->count * esize, r->root);
     case T3D_OP_SCATTER: return t3d__algo_scatter(ex, r->sendbuf, r->recvbuf, r->count * esize, r->root);
-    case T3D_OP_BARRIER: return t3d__algo_barrier(ex);
+    case T3D_OP_BARRIER: return shm ? t3d__shm_barrier(ex) : t3d__algo_barrier(ex);
     case T3D_OP_ALLGATHERV:
       b1 = to_bytes(r->rcounts, r->rdispls, ex->size, esize);
       if (b1 == NULL) return T3D_ERR_NO_MEMORY;
-      res = t3d__algo_allgatherv(ex, r->sendbuf, r->recvbuf, b1, b1 + ex->size);
+      res = shm ? t3d__shm_allgatherv(ex, r->sendbuf, r->recvbuf, b1, b1 + ex->size)
+                : t3d__algo_allgatherv(ex, r->sendbuf, r->recvbuf, b1, b1 + ex->size);
       free(b1);
       return res;
     case T3D_OP_ALLTOALLV:
@@ -448,7 +461,8 @@ t3d_result_t t3d__execute(t3d_exec_t *ex, t3d_request_t *r) {
       b2 = to_bytes(r->rcounts, r->rdispls, ex->size, esize);
       res = T3D_ERR_NO_MEMORY;
       if (b1 != NULL && b2 != NULL) {
-        res = t3d__algo_alltoallv(ex, r->sendbuf, b1, b1 + ex->size, r->recvbuf, b2, b2 + ex->size);
+        res = shm ? t3d__shm_alltoallv(ex, r->sendbuf, b1, b1 + ex->size, r->recvbuf, b2, b2 + ex->size)
+                  : t3d__algo_alltoallv(ex, r->sendbuf, b1, b1 + ex->size, r->recvbuf, b2, b2 + ex->size);
       }
       free(b1);
       free(b2);

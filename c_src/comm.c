@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 /* ---------- errors ---------- */
 
@@ -65,13 +66,9 @@ t3d_result_t t3d__store_get(t3d_comm_t *comm, const char *key, void **value, siz
 
 /* Time since the last sign of progress decides: pause-spin for ~5 us (a streaming peer answers within that), then
  * yield for ~2 ms (lets the peer run when ranks outnumber cores), then sleep in short naps. */
-typedef struct {
-  uint64_t since; /* 0: progress just happened */
-} backoff_t;
+void t3d__backoff_reset(t3d_backoff_t *b) { b->since = 0; }
 
-static void backoff_reset(backoff_t *b) { b->since = 0; }
-
-static void backoff_wait(backoff_t *b) {
+void t3d__backoff_wait(t3d_backoff_t *b) {
   uint64_t now = t3d__now_ns();
   if (b->since == 0) b->since = now;
   uint64_t idle = now - b->since;
@@ -292,10 +289,26 @@ static const char *fail_verb(t3d_result_t res) {
   }
 }
 
+t3d_result_t t3d__exec_check(t3d_exec_t *ex, const char *waiting_for) {
+  t3d_comm_t *c = ex->comm;
+  t3d_result_t res = T3D_OK;
+  if (atomic_load(&c->aborted)) res = T3D_ERR_ABORTED;
+  else if (t3d__now_ns() > ex->deadline_ns) res = T3D_ERR_TIMEOUT;
+  if (res != T3D_OK) {
+    snprintf(ex->error, sizeof ex->error,
+             "t3d: %s #%llu on group '%s' (rank %d of %d) %s (timeout %lld ms); still waiting for %s", ex->opname,
+             (unsigned long long)ex->seq, c->name, ex->rank, ex->size, fail_verb(res), (long long)ex->timeout_ms,
+             waiting_for);
+  }
+  return res;
+}
+
+t3d_shm_t *t3d__exec_shm(t3d_exec_t *ex) { return ex->comm->shm; }
+
 t3d_result_t t3d__waitall(t3d_exec_t *ex, t3d_xfer_t *xs, int n) {
   t3d_comm_t *c = ex->comm;
   t3d_result_t res = T3D_OK;
-  backoff_t b = {0};
+  t3d_backoff_t b = {0};
   for (;;) {
     int pending = 0, lost = -1;
     for (int i = 0; i < n; i++) {
@@ -310,8 +323,8 @@ t3d_result_t t3d__waitall(t3d_exec_t *ex, t3d_xfer_t *xs, int n) {
     if (res != T3D_OK) break;
     int progressed = c->tp->progress(c->tp_state);
     poll_p2p(c);
-    if (progressed) backoff_reset(&b);
-    else backoff_wait(&b);
+    if (progressed) t3d__backoff_reset(&b);
+    else t3d__backoff_wait(&b);
   }
   if (res != T3D_OK) {
     /* Name the ranks we were still waiting for: that is what a user debugging a hang needs first. */
@@ -509,7 +522,7 @@ static void run_request(t3d_comm_t *comm, t3d_request_t *r) {
 
 static void *progress_main(void *arg) {
   t3d_comm_t *comm = arg;
-  backoff_t b = {0};
+  t3d_backoff_t b = {0};
   unsigned idle_ms = 1;
   for (;;) {
     /* Going idle: watch the queue for a short while first; a condition-variable wake-up costs tens of
@@ -552,14 +565,14 @@ static void *progress_main(void *arg) {
     idle_ms = 1;
     if (r != NULL) {
       run_request(comm, r);
-      backoff_reset(&b);
+      t3d__backoff_reset(&b);
     }
     if (comm->active_p2p != NULL) {
       int progressed = comm->tp->progress(comm->tp_state);
       t3d_request_t *before = comm->active_p2p;
       poll_p2p(comm);
-      if (progressed || before != comm->active_p2p) backoff_reset(&b);
-      else if (comm->q_head == NULL) backoff_wait(&b);
+      if (progressed || before != comm->active_p2p) t3d__backoff_reset(&b);
+      else if (comm->q_head == NULL) t3d__backoff_wait(&b);
     }
   }
   return NULL;
@@ -575,15 +588,58 @@ void t3d_config_init(t3d_config_t *cfg) {
   cfg->transport = NULL;
 }
 
+/* T3D_TRANSPORT: "auto" (shared memory for collectives when every rank is on this host, UCX for the rest), "ucx"
+ * (UCX only), "shm" (like auto, but an error when some rank is on another host). */
 static t3d_result_t pick_transport(t3d_comm_t *comm, const char *want) {
-  if (want == NULL) want = t3d__env_str("T3D_TRANSPORT", "auto");
-  if (strcmp(want, "auto") == 0 || strcmp(want, "ucx") == 0) {
+  if (strcmp(want, "auto") == 0 || strcmp(want, "ucx") == 0 || strcmp(want, "shm") == 0) {
     comm->tp = &t3d__transport_ucx;
     return T3D_OK;
   }
   return t3d__set_error(comm, T3D_ERR_UNSUPPORTED,
                         "t3d_comm_init: transport '%s' (T3D_TRANSPORT or config) is not available on rank %d; this "
-                        "build has: auto, ucx", want, comm->rank);
+                        "build has: auto, ucx, shm", want, comm->rank);
+}
+
+/* Same host = same host name and same boot: containers that share a name but not memory differ in boot id only
+ * rarely, and a wrong guess fails at segment open with a clear error rather than silently. */
+static void host_identity(char *buf, size_t len) {
+  char host[256] = "?", boot[64] = "";
+  gethostname(host, sizeof host - 1);
+  FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r");
+  if (f != NULL) {
+    if (fgets(boot, sizeof boot, f) == NULL) boot[0] = '\0';
+    fclose(f);
+  }
+  boot[strcspn(boot, "\n")] = '\0';
+  snprintf(buf, len, "%s/%s", host, boot);
+}
+
+static t3d_result_t setup_shm(t3d_comm_t *comm, const char *want) {
+  if (strcmp(want, "ucx") == 0 || comm->size == 1) return T3D_OK;
+  char mine[400], key[32];
+  host_identity(mine, sizeof mine);
+  snprintf(key, sizeof key, "host/%d", comm->rank);
+  T3D_CHECK(t3d__store_set(comm, key, mine, strlen(mine) + 1));
+  int same = 1, other = -1;
+  for (int p = 0; p < comm->size && same; p++) {
+    if (p == comm->rank) continue;
+    void *v = NULL;
+    size_t len = 0;
+    snprintf(key, sizeof key, "host/%d", p);
+    T3D_CHECK(t3d__store_get(comm, key, &v, &len));
+    if (len != strlen(mine) + 1 || memcmp(v, mine, len) != 0) {
+      same = 0;
+      other = p;
+    }
+    free(v);
+  }
+  if (same) return t3d__shm_init(comm, &comm->shm);
+  if (strcmp(want, "shm") == 0) {
+    return t3d__set_error(comm, T3D_ERR_UNSUPPORTED,
+                          "t3d_comm_init: T3D_TRANSPORT=shm but rank %d of group '%s' is on another host than rank %d",
+                          other, comm->name, comm->rank);
+  }
+  return T3D_OK;
 }
 
 static void comm_free(t3d_comm_t *comm) {
@@ -616,21 +672,27 @@ t3d_result_t t3d_comm_init(t3d_comm_t **out, int rank, int size, const t3d_store
   snprintf(comm->name, sizeof comm->name, "%s", cfg->name ? cfg->name : "comm");
   snprintf(comm->prefix, sizeof comm->prefix, "%s", cfg->key_prefix ? cfg->key_prefix : "t3d");
 
-  t3d_result_t res = pick_transport(comm, cfg->transport);
+  const char *want = cfg->transport ? cfg->transport : t3d__env_str("T3D_TRANSPORT", "auto");
+  t3d_result_t res = pick_transport(comm, want);
   if (res == T3D_OK) res = comm->tp->init(comm, &comm->tp_state);
+  if (res == T3D_OK) {
+    res = setup_shm(comm, want);
+    if (res != T3D_OK) comm->tp->fini(comm->tp_state);
+  }
+  if (res == T3D_OK && pthread_create(&comm->thread, NULL, progress_main, comm) != 0) {
+    res = t3d__set_error(comm, T3D_ERR_SYSTEM, "t3d_comm_init: cannot start the progress thread on rank %d", rank);
+    t3d__shm_fini(comm->shm);
+    comm->tp->fini(comm->tp_state);
+  }
   if (res != T3D_OK) {
     /* The caller has no communicator to ask, so the reason goes to the log as well. */
     T3D_WARN("%s", comm->last_error);
     comm_free(comm);
     return res;
   }
-  if (pthread_create(&comm->thread, NULL, progress_main, comm) != 0) {
-    comm->tp->fini(comm->tp_state);
-    comm_free(comm);
-    return T3D_ERR_SYSTEM;
-  }
   comm->thread_started = 1;
-  T3D_INFO("comm '%s' rank %d/%d up over %s", comm->name, rank, size, comm->tp->name);
+  T3D_INFO("comm '%s' rank %d/%d up over %s%s", comm->name, rank, size, comm->tp->name,
+           comm->shm ? " + shared memory" : "");
   *out = comm;
   return T3D_OK;
 }
@@ -644,6 +706,7 @@ t3d_result_t t3d_comm_destroy(t3d_comm_t *comm) {
     pthread_mutex_unlock(&comm->mu);
     pthread_join(comm->thread, NULL);
   }
+  t3d__shm_fini(comm->shm);
   comm->tp->fini(comm->tp_state);
   comm_free(comm);
   return T3D_OK;
@@ -668,7 +731,10 @@ int t3d_comm_size(const t3d_comm_t *comm) { return comm ? comm->size : -1; }
 t3d_result_t t3d_comm_status(t3d_comm_t *comm) {
   return comm ? (t3d_result_t)atomic_load(&comm->fatal) : T3D_ERR_INVALID_ARG;
 }
-const char *t3d_comm_transport(const t3d_comm_t *comm) { return comm && comm->tp ? comm->tp->name : ""; }
+const char *t3d_comm_transport(const t3d_comm_t *comm) {
+  if (comm == NULL || comm->tp == NULL) return "";
+  return comm->shm != NULL ? "shm+ucx" : comm->tp->name;
+}
 
 typedef struct {
   int key, rank;

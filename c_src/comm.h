@@ -69,6 +69,7 @@ struct t3d_comm {
   int64_t timeout_ms;
   const t3d_transport_t *tp;
   void *tp_state;
+  t3d_shm_t *shm; /* same-host collectives, or NULL */
 
   pthread_t thread;
   int thread_started;

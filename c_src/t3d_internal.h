@@ -113,6 +113,36 @@ t3d_result_t t3d__waitall(t3d_exec_t *ex, t3d_xfer_t *xs, int n);
 t3d_result_t t3d__sendrecv(t3d_exec_t *ex, uint32_t step, int dst, const void *sbuf, size_t sbytes, int src,
                            void *rbuf, size_t rbytes);
 
+/* Waiting on something other than transfers (shared-memory flags): backoff between polls, and a check that fails
+ * the operation on abort or deadline, writing ex->error with `waiting_for` (e.g. "rank(s) 2, 3"). */
+typedef struct t3d_backoff {
+  uint64_t since; /* 0: progress just happened */
+} t3d_backoff_t;
+void t3d__backoff_reset(t3d_backoff_t *b);
+void t3d__backoff_wait(t3d_backoff_t *b);
+t3d_result_t t3d__exec_check(t3d_exec_t *ex, const char *waiting_for);
+
+/* ---------- same-host shared-memory collectives (c_src/shm/) ----------
+ * Set up at init when every rank of the communicator is on this host (and T3D_TRANSPORT is not "ucx"). The
+ * functions have the algorithms' signatures and contracts (see below); the engine picks them when comm has them. */
+typedef struct t3d_shm t3d_shm_t;
+/* Collective over the communicator, on the caller's thread; uses the store (t3d__store_set/get in comm.h). */
+t3d_result_t t3d__shm_init(t3d_comm_t *comm, t3d_shm_t **shm);
+void t3d__shm_fini(t3d_shm_t *shm);
+t3d_shm_t *t3d__exec_shm(t3d_exec_t *ex); /* NULL when the communicator has no shared-memory path */
+t3d_result_t t3d__shm_allreduce(t3d_exec_t *ex, const void *sendbuf, void *recvbuf, size_t count, t3d_dtype_t dt,
+                                t3d_redop_t op);
+t3d_result_t t3d__shm_reduce(t3d_exec_t *ex, const void *sendbuf, void *recvbuf, size_t count, t3d_dtype_t dt,
+                             t3d_redop_t op, int root);
+t3d_result_t t3d__shm_reduce_scatterv(t3d_exec_t *ex, const void *sendbuf, void *recvbuf, const size_t *counts,
+                                      t3d_dtype_t dt, t3d_redop_t op);
+t3d_result_t t3d__shm_broadcast(t3d_exec_t *ex, void *buf, size_t bytes, int root);
+t3d_result_t t3d__shm_allgatherv(t3d_exec_t *ex, const void *sendbuf, void *recvbuf, const size_t *bytes,
+                                 const size_t *displs_bytes);
+t3d_result_t t3d__shm_alltoallv(t3d_exec_t *ex, const void *sendbuf, const size_t *sbytes, const size_t *sdispls,
+                                void *recvbuf, const size_t *rbytes, const size_t *rdispls);
+t3d_result_t t3d__shm_barrier(t3d_exec_t *ex);
+
 /* ---------- algorithms (c_src/algo/). All run on the progress thread with blocking semantics. ----------
  * Reducing ones see only T3D_SUM, PROD, MIN, MAX, BAND, BOR, BXOR on non-half dtypes: the front end (coll.c)
  * converts half types to float32, applies PREMUL_SUM's scalar before and AVG's division after. */
