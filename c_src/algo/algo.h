@@ -1,0 +1,61 @@
+/* algo.h: what the collective algorithms share: batches of transfers that skip empty messages, the
+ * small-message threshold, and the ring reduce-scatter / allgather building blocks (ring.c). */
+#ifndef T3D_ALGO_H
+#define T3D_ALGO_H
+
+#include "t3d_internal.h"
+
+#include <stdint.h>
+#include <string.h>
+
+/* Messages of one operation posted together and waited for together. Empty messages are never posted: every
+ * algorithm knows the sizes on both sides, so skipping them on both keeps sends and receives matched. After a
+ * posting error nothing more is posted, and wait still drains what went out (their buffers may not be released
+ * before that) and returns the posting error. */
+typedef struct t3d_batch {
+  t3d_exec_t *ex;
+  t3d_xfer_t *xs;
+  int n, cap;
+  t3d_result_t res;
+} t3d_batch_t;
+
+void t3d__batch_init(t3d_batch_t *b, t3d_exec_t *ex, t3d_xfer_t *xs, int cap);
+void t3d__batch_send(t3d_batch_t *b, int peer, uint32_t step, const void *buf, size_t bytes);
+void t3d__batch_recv(t3d_batch_t *b, int peer, uint32_t step, void *buf, size_t bytes);
+t3d_result_t t3d__batch_wait(t3d_batch_t *b);
+
+/* Send to dst and receive from src (either -1 for none), skipping empty sides. */
+t3d_result_t t3d__algo_xchg(t3d_exec_t *ex, uint32_t step, int dst, const void *sbuf, size_t sbytes, int src,
+                            void *rbuf, size_t rbytes);
+
+/* Bytes per rank at or below which latency-bound (one round, all peers at once) algorithms are chosen.
+ * T3D_ALGO_SMALL_BYTES, default 65536, read once. */
+size_t t3d__algo_small_bytes(void);
+
+/* Ring reduce-scatter: block c is counts[c] elements at element offset offs[c] of sendbuf. The caller ends with
+ * the reduction of its own block in out (counts[rank] elements), each block reduced by one rank in ring order.
+ * out may alias sendbuf: it is written only after sendbuf is last read. Uses steps step0 .. step0 + size - 2. */
+t3d_result_t t3d__ring_reduce_scatter(t3d_exec_t *ex, const void *sendbuf, void *out, const size_t *counts,
+                                      const size_t *offs, t3d_dtype_t dt, t3d_redop_t op, uint32_t step0);
+/* Ring allgather in place: block c is bytes[c] long at byte offset displs[c] of buf, the caller's own block already
+ * there. Uses steps step0 .. step0 + size - 2. */
+t3d_result_t t3d__ring_allgather(t3d_exec_t *ex, void *buf, const size_t *bytes, const size_t *displs,
+                                 uint32_t step0);
+
+/* Even split of count elements into n blocks, the first count % n one element longer. */
+static inline void t3d__algo_split(size_t count, int n, size_t *counts, size_t *offs) {
+  size_t q = count / (size_t)n, rem = count % (size_t)n, off = 0;
+  for (int c = 0; c < n; c++) {
+    counts[c] = q + ((size_t)c < rem ? 1 : 0);
+    offs[c] = off;
+    off += counts[c];
+  }
+}
+
+/* Whether [a, a + na) and [b, b + nb) share a byte; compared as integers, as the objects may be unrelated. */
+static inline int t3d__algo_overlap(const void *a, size_t na, const void *b, size_t nb) {
+  uintptr_t x = (uintptr_t)a, y = (uintptr_t)b;
+  return na > 0 && nb > 0 && x < y + nb && y < x + na;
+}
+
+#endif /* T3D_ALGO_H */

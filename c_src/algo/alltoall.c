@@ -1,0 +1,64 @@
+/* alltoall.c: alltoallv: every receive and send posted at once (empty ones skipped on both sides), the own block
+ * copied locally. */
+#include "algo.h"
+
+#include <stdlib.h>
+
+/* Byte range [lo, hi) covered by the non-empty blocks. */
+static void extent(int n, const size_t *bytes, const size_t *displs, size_t *lo, size_t *hi) {
+  *lo = SIZE_MAX;
+  *hi = 0;
+  for (int p = 0; p < n; p++) {
+    if (bytes[p] == 0) continue;
+    if (displs[p] < *lo) *lo = displs[p];
+    if (displs[p] + bytes[p] > *hi) *hi = displs[p] + bytes[p];
+  }
+  if (*hi == 0) *lo = 0;
+}
+
+t3d_result_t t3d__algo_alltoallv(t3d_exec_t *ex, const void *sendbuf, const size_t *sbytes, const size_t *sdispls,
+                                 void *recvbuf, const size_t *rbytes, const size_t *rdispls) {
+  int n = ex->size, r = ex->rank;
+  if (sbytes[r] != rbytes[r]) return T3D_ERR_MISMATCH;
+  /* Block p leaves from sb + sdispls[p] - sbias: the bias is nonzero only when sending from a copy. */
+  const char *sb = (const char *)sendbuf;
+  size_t sbias = 0;
+  char *rb = (char *)recvbuf, *copy = NULL;
+  size_t slo, shi, rlo, rhi;
+  extent(n, sbytes, sdispls, &slo, &shi);
+  extent(n, rbytes, rdispls, &rlo, &rhi);
+  /* In place (or any overlap) incoming blocks would overwrite outgoing ones before they leave: send from a copy.
+   * The copy holds only the range the blocks cover. */
+  if (t3d__algo_overlap(sb + slo, shi - slo, rb + rlo, rhi - rlo)) {
+    copy = malloc(shi - slo);
+    if (copy == NULL) return T3D_ERR_NO_MEMORY;
+    memcpy(copy, sb + slo, shi - slo);
+    sb = copy;
+    sbias = slo;
+  }
+  t3d_result_t res = T3D_OK;
+  if (n > 1) {
+    t3d_xfer_t *xs = malloc(2 * (size_t)n * sizeof *xs);
+    if (xs == NULL) {
+      free(copy);
+      return T3D_ERR_NO_MEMORY;
+    }
+    t3d_batch_t b;
+    t3d__batch_init(&b, ex, xs, 2 * n);
+    /* Peers in the order r+1, r+2, ... so that not every rank sends to rank 0 first. */
+    for (int i = 1; i < n; i++) {
+      int p = (r + n - i) % n;
+      t3d__batch_recv(&b, p, 0, rb + rdispls[p], rbytes[p]);
+    }
+    for (int i = 1; i < n; i++) {
+      int p = (r + i) % n;
+      t3d__batch_send(&b, p, 0, sb + (sdispls[p] - sbias), sbytes[p]);
+    }
+    res = t3d__batch_wait(&b);
+    free(xs);
+  }
+  if (res == T3D_OK && rbytes[r] > 0 && rb + rdispls[r] != sb + (sdispls[r] - sbias))
+    memmove(rb + rdispls[r], sb + (sdispls[r] - sbias), rbytes[r]);
+  free(copy);
+  return res;
+}

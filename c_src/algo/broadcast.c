@@ -1,0 +1,50 @@
+/* broadcast.c: binomial tree rooted at root, on ranks relative to it. Large messages go down the tree in chunks,
+ * so that a rank forwards chunk k while chunk k+1 arrives. */
+#include "algo.h"
+
+/* Below this a message goes whole; above it in chunks of this size (more when that would need too many steps). */
+#define PIPELINE_CHUNK ((size_t)256 * 1024)
+#define PIPELINE_MIN ((size_t)1024 * 1024)
+#define MAX_CHUNKS ((size_t)1 << 19)
+
+t3d_result_t t3d__algo_broadcast(t3d_exec_t *ex, void *buf, size_t bytes, int root) {
+  int n = ex->size, r = ex->rank;
+  if (n == 1 || bytes == 0) return T3D_OK;
+  int vr = (r - root + n) % n;
+  /* The parent clears the lowest set bit of vr; the children add the lower powers of two. */
+  int parent = -1, mask = 1;
+  while (mask < n) {
+    if (vr & mask) {
+      parent = (vr - mask + root) % n;
+      break;
+    }
+    mask <<= 1;
+  }
+  int children[32], nchildren = 0;
+  for (int m = mask >> 1; m > 0; m >>= 1)
+    if (vr + m < n) children[nchildren++] = (vr + m + root) % n;
+
+  size_t chunk = bytes;
+  if (bytes > PIPELINE_MIN) {
+    chunk = PIPELINE_CHUNK;
+    if ((bytes + chunk - 1) / chunk > MAX_CHUNKS) chunk = (bytes + MAX_CHUNKS - 1) / MAX_CHUNKS;
+  }
+  size_t nchunks = (bytes + chunk - 1) / chunk;
+  char *b = (char *)buf;
+  t3d_xfer_t xs[33];
+  /* Round k receives chunk k and forwards chunk k-1; the chunk index is the step. */
+  for (size_t k = 0; k <= nchunks; k++) {
+    t3d_batch_t bt;
+    t3d__batch_init(&bt, ex, xs, 33);
+    if (parent >= 0 && k < nchunks) {
+      size_t len = k + 1 < nchunks ? chunk : bytes - k * chunk;
+      t3d__batch_recv(&bt, parent, (uint32_t)k, b + k * chunk, len);
+    }
+    if (k > 0) {
+      size_t j = k - 1, len = j + 1 < nchunks ? chunk : bytes - j * chunk;
+      for (int c = 0; c < nchildren; c++) t3d__batch_send(&bt, children[c], (uint32_t)j, b + j * chunk, len);
+    }
+    T3D_CHECK(t3d__batch_wait(&bt));
+  }
+  return T3D_OK;
+}
