@@ -1,0 +1,473 @@
+/* Public entry points of the CPU attention kernels: argument checks, run-time ISA choice, the task split (caller's
+ * parallel-for or a small internal pthread team), and the cheap element-wise passes (backward's dout.out and dq
+ * reduction, the log-sum-exp merge). The tiled work lives in attn_cpu_impl.h, built once per ISA. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "attn_cpu_internal.h"
+
+/* ---------------------------------------------------------------- ISA choice */
+
+static int cpu_has_avx2(void) {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+  return 0;
+#endif
+}
+
+static int cpu_has_avx512(void) {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma");
+#else
+  return 0;
+#endif
+}
+
+static int cpu_has_bf16dot(void) {
+#if defined(__x86_64__) || defined(__i386__)
+  return cpu_has_avx512() && __builtin_cpu_supports("avx512bf16");
+#else
+  return 0;
+#endif
+}
+
+int t3d_attn_isa_available(t3d_attn_isa_t isa) {
+  switch (isa) {
+    case T3D_ATTN_ISA_AUTO:
+    case T3D_ATTN_ISA_SCALAR: return 1;
+    case T3D_ATTN_ISA_AVX2: return cpu_has_avx2();
+    case T3D_ATTN_ISA_AVX512: return cpu_has_avx512();
+  }
+  return 0;
+}
+
+static t3d_attn_isa_t best_isa_upto(t3d_attn_isa_t cap) {
+  if (cap >= T3D_ATTN_ISA_AVX512 && cpu_has_avx512()) return T3D_ATTN_ISA_AVX512;
+  if (cap >= T3D_ATTN_ISA_AVX2 && cpu_has_avx2()) return T3D_ATTN_ISA_AVX2;
+  return T3D_ATTN_ISA_SCALAR;
+}
+
+/* Read on every call (a getenv is cheap next to an attention call) so tests can switch paths in one process. A
+ * forced path this CPU lacks falls back to the best one below it. */
+t3d_attn_isa_t t3d_attn_isa_selected(void) {
+  const char *env = getenv("T3D_ATTN_ISA");
+  if (env && *env) {
+    if (!strcmp(env, "scalar")) return T3D_ATTN_ISA_SCALAR;
+    if (!strcmp(env, "avx2")) return best_isa_upto(T3D_ATTN_ISA_AVX2);
+    if (!strcmp(env, "avx512")) return best_isa_upto(T3D_ATTN_ISA_AVX512);
+  }
+  return best_isa_upto(T3D_ATTN_ISA_AVX512);
+}
+
+const char *t3d_attn_isa_name(t3d_attn_isa_t isa) {
+  switch (isa) {
+    case T3D_ATTN_ISA_AUTO: return "auto";
+    case T3D_ATTN_ISA_SCALAR: return "scalar";
+    case T3D_ATTN_ISA_AVX2: return "avx2";
+    case T3D_ATTN_ISA_AVX512: return "avx512";
+  }
+  return "unknown";
+}
+
+const char *t3d_attn_isa_describe(t3d_attn_isa_t isa, t3d_attn_dtype_t dtype) {
+  if (isa == T3D_ATTN_ISA_AUTO) isa = t3d_attn_isa_selected();
+  if (isa == T3D_ATTN_ISA_AVX512 && dtype == T3D_ATTN_BFLOAT16 && cpu_has_bf16dot()) return "avx512-bf16";
+  return t3d_attn_isa_name(isa);
+}
+
+static int resolve_isa(const t3d_attn_exec_t *exec, t3d_attn_isa_t *isa) {
+  t3d_attn_isa_t want = exec ? exec->isa : T3D_ATTN_ISA_AUTO;
+  if (want == T3D_ATTN_ISA_AUTO) {
+    *isa = t3d_attn_isa_selected();
+    return T3D_ATTN_OK;
+  }
+  if (want < T3D_ATTN_ISA_SCALAR || want > T3D_ATTN_ISA_AVX512) return T3D_ATTN_ERR_INVALID_ARG;
+  if (!t3d_attn_isa_available(want)) return T3D_ATTN_ERR_UNSUPPORTED;
+  *isa = want;
+  return T3D_ATTN_OK;
+}
+
+static const t3d__attn_isa_ops *isa_ops(t3d_attn_isa_t isa) {
+  switch (isa) {
+    case T3D_ATTN_ISA_AVX512: return &t3d__attn_ops_avx512;
+    case T3D_ATTN_ISA_AVX2: return &t3d__attn_ops_avx2;
+    default: return &t3d__attn_ops_scalar;
+  }
+}
+
+/* ---------------------------------------------------------------- task runner */
+
+typedef void (*task_fn)(void *ctx, int64_t begin, int64_t end, void *scratch);
+
+typedef struct {
+  task_fn fn;
+  void *ctx;
+  size_t scratch_bytes;
+  int64_t n;
+  atomic_llong next; /* internal team: next unclaimed task */
+  atomic_int err;
+} run_t;
+
+static void *scratch_alloc(size_t bytes) {
+  if (!bytes) return NULL;
+  return aligned_alloc(64, (bytes + 63) & ~(size_t)63);
+}
+
+/* Body handed to the caller's parallel-for: one scratch per call (at::parallel_for calls it once per thread). */
+static void run_body_ext(void *arg, int64_t begin, int64_t end) {
+  run_t *r = (run_t *)arg;
+  void *scratch = scratch_alloc(r->scratch_bytes);
+  if (r->scratch_bytes && !scratch) {
+    atomic_store(&r->err, T3D_ATTN_ERR_NO_MEMORY);
+    return;
+  }
+  r->fn(r->ctx, begin, end, scratch);
+  free(scratch);
+}
+
+/* Internal team: tasks are claimed one at a time, so uneven (causal) tasks balance themselves. */
+static void *run_worker(void *arg) {
+  run_t *r = (run_t *)arg;
+  void *scratch = scratch_alloc(r->scratch_bytes);
+  if (r->scratch_bytes && !scratch) {
+    atomic_store(&r->err, T3D_ATTN_ERR_NO_MEMORY);
+    return NULL;
+  }
+  for (;;) {
+    const int64_t t = (int64_t)atomic_fetch_add(&r->next, 1);
+    if (t >= r->n) break;
+    r->fn(r->ctx, t, t + 1, scratch);
+  }
+  free(scratch);
+  return NULL;
+}
+
+static int exec_threads(const t3d_attn_exec_t *exec) {
+  int nt = exec ? exec->nthreads : 0;
+  if (nt <= 0) {
+    long c = sysconf(_SC_NPROCESSORS_ONLN);
+    nt = c > 0 ? (int)c : 1;
+  }
+  return nt;
+}
+
+static int run_tasks(const t3d_attn_exec_t *exec, int64_t n, task_fn fn, void *ctx, size_t scratch_bytes) {
+  if (n <= 0) return T3D_ATTN_OK;
+  run_t r;
+  r.fn = fn;
+  r.ctx = ctx;
+  r.scratch_bytes = scratch_bytes;
+  r.n = n;
+  atomic_init(&r.next, 0);
+  atomic_init(&r.err, T3D_ATTN_OK);
+  if (exec && exec->parallel_for) {
+    exec->parallel_for(exec->parallel_ctx, n, run_body_ext, &r);
+    return atomic_load(&r.err);
+  }
+  int64_t nt = exec_threads(exec);
+  if (nt > n) nt = n;
+  if (nt > 256) nt = 256;
+  pthread_t tids[256];
+  int64_t started = 0;
+  for (int64_t i = 1; i < nt; i++) {
+    if (pthread_create(&tids[started], NULL, run_worker, &r) != 0) break;
+    started++;
+  }
+  run_worker(&r); /* the caller works too, and finishes whatever failed threads left */
+  for (int64_t i = 0; i < started; i++) pthread_join(tids[i], NULL);
+  return atomic_load(&r.err);
+}
+
+/* ---------------------------------------------------------------- argument checks */
+
+static int check_shape(t3d_attn_dtype_t dtype, int64_t batch, int64_t q_heads, int64_t kv_heads, int64_t seq_q,
+                       int64_t seq_k, int64_t head_dim) {
+  if (dtype != T3D_ATTN_FLOAT32 && dtype != T3D_ATTN_BFLOAT16) return T3D_ATTN_ERR_INVALID_ARG;
+  if (batch < 0 || seq_q < 0 || seq_k < 0) return T3D_ATTN_ERR_INVALID_ARG;
+  if (q_heads <= 0 || kv_heads <= 0 || q_heads % kv_heads != 0) return T3D_ATTN_ERR_INVALID_ARG;
+  if (head_dim <= 0 || head_dim > T3D_ATTN_MAX_HEAD_DIM) return T3D_ATTN_ERR_INVALID_ARG;
+  /* Element counts must fit comfortably in int64. */
+  const double elems = (double)batch * (double)q_heads * (double)(seq_q > seq_k ? seq_q : seq_k) * (double)head_dim;
+  if (elems > 4.0e18) return T3D_ATTN_ERR_INVALID_ARG;
+  return T3D_ATTN_OK;
+}
+
+static float resolve_scale(float scale, int64_t head_dim) {
+  if (isnan(scale) || scale <= 0.0f || isinf(scale)) return 1.0f / sqrtf((float)head_dim);
+  return scale;
+}
+
+/* ---------------------------------------------------------------- forward */
+
+typedef struct {
+  t3d__attn_problem p;
+  const t3d__attn_isa_ops *ops;
+} attn_job;
+
+static void fwd_job(void *ctx, int64_t begin, int64_t end, void *scratch) {
+  attn_job *j = (attn_job *)ctx;
+  j->ops->fwd(&j->p, begin, end, scratch);
+}
+
+static void bwd_job(void *ctx, int64_t begin, int64_t end, void *scratch) {
+  attn_job *j = (attn_job *)ctx;
+  j->ops->bwd(&j->p, begin, end, scratch);
+}
+
+int t3d_attn_forward(t3d_attn_dtype_t dtype, const void *q, const void *k, const void *v, void *out, float *lse,
+                     int64_t batch, int64_t q_heads, int64_t kv_heads, int64_t seq_q, int64_t seq_k,
+                     int64_t head_dim, int causal, float scale, int64_t q_start, int64_t k_start,
+                     const t3d_attn_exec_t *exec) {
+  int rc = check_shape(dtype, batch, q_heads, kv_heads, seq_q, seq_k, head_dim);
+  if (rc) return rc;
+  t3d_attn_isa_t isa;
+  rc = resolve_isa(exec, &isa);
+  if (rc) return rc;
+  const int64_t nq = batch * q_heads * seq_q, nk = batch * kv_heads * seq_k;
+  if (nq > 0 && (!q || !out || !lse)) return T3D_ATTN_ERR_INVALID_ARG;
+  if (nq > 0 && nk > 0 && (!k || !v)) return T3D_ATTN_ERR_INVALID_ARG;
+  if (nq == 0) return T3D_ATTN_OK;
+
+  attn_job j;
+  memset(&j, 0, sizeof j);
+  j.ops = isa_ops(isa);
+  t3d__attn_problem *p = &j.p;
+  p->dtype = dtype;
+  p->use_bf16dot = isa == T3D_ATTN_ISA_AVX512 && cpu_has_bf16dot();
+  p->q = q;
+  p->k = k;
+  p->v = v;
+  p->out = out;
+  p->lse = lse;
+  p->B = batch;
+  p->Hq = q_heads;
+  p->Hkv = kv_heads;
+  p->Sq = seq_q;
+  p->Sk = seq_k;
+  p->D = head_dim;
+  p->group = q_heads / kv_heads;
+  p->causal = causal != 0;
+  p->scale = resolve_scale(scale, head_dim);
+  p->q_start = q_start;
+  p->k_start = k_start;
+  p->nqb = (seq_q + ATTN_FWD_BQ - 1) / ATTN_FWD_BQ;
+  p->nkb = (seq_k + ATTN_FWD_BK - 1) / ATTN_FWD_BK;
+  p->slabs = 1;
+  return run_tasks(exec, batch * q_heads * p->nqb, fwd_job, &j, ATTN_SCRATCH_FLOATS * sizeof(float));
+}
+
+/* ---------------------------------------------------------------- backward */
+
+enum { ROWS_PER_TASK = 128 };
+
+static float row_dot(const t3d__attn_problem *p, const void *a, const void *b, int64_t row) {
+  const int64_t D = p->D;
+  float s = 0.0f;
+  if (p->dtype == T3D_ATTN_FLOAT32) {
+    const float *x = (const float *)a + row * D, *y = (const float *)b + row * D;
+    for (int64_t d = 0; d < D; d++) s += x[d] * y[d];
+  } else {
+    const uint16_t *x = (const uint16_t *)a + row * D, *y = (const uint16_t *)b + row * D;
+    for (int64_t d = 0; d < D; d++) s += t3d__bf16_to_f32(x[d]) * t3d__bf16_to_f32(y[d]);
+  }
+  return s;
+}
+
+/* delta = dout . out per query row; the dq accumulators start at zero. */
+static void bwd_prep_job(void *ctx, int64_t begin, int64_t end, void *scratch) {
+  (void)scratch;
+  const t3d__attn_problem *p = &((attn_job *)ctx)->p;
+  const int64_t rows = p->B * p->Hq * p->Sq;
+  const int64_t r0 = begin * ROWS_PER_TASK, r1 = end * ROWS_PER_TASK < rows ? end * ROWS_PER_TASK : rows;
+  for (int64_t r = r0; r < r1; r++) p->delta[r] = row_dot(p, p->dout, p->out_in, r);
+  for (int64_t s = 0; s < p->slabs; s++)
+    memset(p->dq_acc + (s * rows + r0) * p->D, 0, sizeof(float) * (size_t)((r1 - r0) * p->D));
+}
+
+/* dq = scale * sum over slabs of the accumulators, in dtype (in place when dq itself was the accumulator). */
+static void bwd_finish_job(void *ctx, int64_t begin, int64_t end, void *scratch) {
+  (void)scratch;
+  const t3d__attn_problem *p = &((attn_job *)ctx)->p;
+  const int64_t rows = p->B * p->Hq * p->Sq, D = p->D;
+  const int64_t r0 = begin * ROWS_PER_TASK, r1 = end * ROWS_PER_TASK < rows ? end * ROWS_PER_TASK : rows;
+  for (int64_t r = r0; r < r1; r++) {
+    float *acc = p->dq_acc + r * D;
+    for (int64_t s = 1; s < p->slabs; s++) {
+      const float *o = p->dq_acc + (s * rows + r) * D;
+      for (int64_t d = 0; d < D; d++) acc[d] += o[d];
+    }
+    if (p->dtype == T3D_ATTN_FLOAT32) {
+      float *dst = (float *)p->dq + r * D;
+      for (int64_t d = 0; d < D; d++) dst[d] = acc[d] * p->scale;
+    } else {
+      uint16_t *dst = (uint16_t *)p->dq + r * D;
+      for (int64_t d = 0; d < D; d++) dst[d] = t3d__f32_to_bf16(acc[d] * p->scale);
+    }
+  }
+}
+
+int t3d_attn_backward(t3d_attn_dtype_t dtype, const void *dout, const void *q, const void *k, const void *v,
+                      const void *out, const float *lse, void *dq, void *dk, void *dv, int64_t batch,
+                      int64_t q_heads, int64_t kv_heads, int64_t seq_q, int64_t seq_k, int64_t head_dim, int causal,
+                      float scale, int64_t q_start, int64_t k_start, const t3d_attn_exec_t *exec) {
+  int rc = check_shape(dtype, batch, q_heads, kv_heads, seq_q, seq_k, head_dim);
+  if (rc) return rc;
+  t3d_attn_isa_t isa;
+  rc = resolve_isa(exec, &isa);
+  if (rc) return rc;
+  const int64_t nq = batch * q_heads * seq_q, nk = batch * kv_heads * seq_k;
+  if (nq > 0 && (!dout || !q || !out || !lse || !dq)) return T3D_ATTN_ERR_INVALID_ARG;
+  if (nk > 0 && (!k || !v || !dk || !dv)) return T3D_ATTN_ERR_INVALID_ARG;
+  if (nq == 0 && nk == 0) return T3D_ATTN_OK;
+
+  attn_job j;
+  memset(&j, 0, sizeof j);
+  j.ops = isa_ops(isa);
+  t3d__attn_problem *p = &j.p;
+  p->dtype = dtype;
+  p->use_bf16dot = 0; /* the backward computes in float32 on every path */
+  p->dout = dout;
+  p->q = q;
+  p->k = k;
+  p->v = v;
+  p->out_in = out;
+  p->lse_in = lse;
+  p->dq = dq;
+  p->dk = dk;
+  p->dv = dv;
+  p->B = batch;
+  p->Hq = q_heads;
+  p->Hkv = kv_heads;
+  p->Sq = seq_q;
+  p->Sk = seq_k;
+  p->D = head_dim;
+  p->group = q_heads / kv_heads;
+  p->causal = causal != 0;
+  p->scale = resolve_scale(scale, head_dim);
+  p->q_start = q_start;
+  p->k_start = k_start;
+  p->nqb = (seq_q + ATTN_BWD_BQ - 1) / ATTN_BWD_BQ;
+  p->nkb = (seq_k + ATTN_BWD_BK - 1) / ATTN_BWD_BK;
+
+  /* Key blocks of one (batch, kv head) are split over several tasks only when there are too few (batch, kv head)
+   * pairs to keep the threads busy; each such slab then needs its own float32 dq accumulator. */
+  const int64_t units = batch * kv_heads;
+  const int64_t nt = exec_threads(exec);
+  int64_t slabs = 1;
+  if (units > 0 && units < 2 * nt) slabs = (2 * nt + units - 1) / units;
+  if (slabs > p->nkb) slabs = p->nkb > 0 ? p->nkb : 1;
+  const double acc_bytes = (double)nq * (double)head_dim * sizeof(float);
+  while (slabs > 1 && acc_bytes * (double)slabs > 1.0e9) slabs--;
+  p->slabs = slabs;
+
+  float *owned = NULL;
+  if (dtype == T3D_ATTN_FLOAT32 && slabs == 1) {
+    p->dq_acc = (float *)dq;
+  } else if (nq > 0) {
+    owned = (float *)malloc((size_t)slabs * (size_t)nq * (size_t)head_dim * sizeof(float));
+    if (!owned) return T3D_ATTN_ERR_NO_MEMORY;
+    p->dq_acc = owned;
+  }
+  float *delta = NULL;
+  if (nq > 0) {
+    delta = (float *)malloc((size_t)nq * sizeof(float));
+    if (!delta) {
+      free(owned);
+      return T3D_ATTN_ERR_NO_MEMORY;
+    }
+  }
+  p->delta = delta;
+
+  const int64_t row_tasks = (nq + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+  rc = run_tasks(exec, row_tasks, bwd_prep_job, &j, 0);
+  if (!rc && p->nkb > 0) rc = run_tasks(exec, units * slabs, bwd_job, &j, ATTN_SCRATCH_FLOATS * sizeof(float));
+  if (!rc) rc = run_tasks(exec, row_tasks, bwd_finish_job, &j, 0);
+  free(delta);
+  free(owned);
+  return rc;
+}
+
+/* ---------------------------------------------------------------- merge */
+
+typedef struct {
+  t3d_attn_dtype_t out_dtype, block_dtype;
+  void *out;
+  float *lse;
+  const void *block_out;
+  const float *block_lse;
+  int64_t rows, D;
+} merge_job_t;
+
+static inline float load_elem(t3d_attn_dtype_t dt, const void *base, int64_t i) {
+  return dt == T3D_ATTN_FLOAT32 ? ((const float *)base)[i] : t3d__bf16_to_f32(((const uint16_t *)base)[i]);
+}
+
+static void merge_job(void *ctx, int64_t begin, int64_t end, void *scratch) {
+  (void)scratch;
+  const merge_job_t *m = (const merge_job_t *)ctx;
+  const int64_t D = m->D;
+  const int64_t r0 = begin * ROWS_PER_TASK, r1 = end * ROWS_PER_TASK < m->rows ? end * ROWS_PER_TASK : m->rows;
+  for (int64_t r = r0; r < r1; r++) {
+    const float a = m->lse[r], bl = m->block_lse[r];
+    if (bl == -INFINITY) continue;
+    float wa, wb, nl;
+    if (a == -INFINITY) {
+      wa = 0.0f;
+      wb = 1.0f;
+      nl = bl;
+    } else {
+      const float mx = a > bl ? a : bl;
+      nl = mx + log1pf(expf(-fabsf(a - bl)));
+      wa = expf(a - nl);
+      wb = expf(bl - nl);
+    }
+    m->lse[r] = nl;
+    if (m->out_dtype == T3D_ATTN_FLOAT32) {
+      float *o = (float *)m->out + r * D;
+      if (m->block_dtype == T3D_ATTN_FLOAT32) {
+        const float *x = (const float *)m->block_out + r * D;
+        for (int64_t d = 0; d < D; d++) o[d] = wa == 0.0f ? x[d] * wb : o[d] * wa + x[d] * wb;
+      } else {
+        for (int64_t d = 0; d < D; d++) {
+          const float x = load_elem(m->block_dtype, m->block_out, r * D + d);
+          o[d] = wa == 0.0f ? x * wb : o[d] * wa + x * wb;
+        }
+      }
+    } else {
+      uint16_t *o = (uint16_t *)m->out + r * D;
+      for (int64_t d = 0; d < D; d++) {
+        const float x = load_elem(m->block_dtype, m->block_out, r * D + d);
+        const float y = wa == 0.0f ? x * wb : t3d__bf16_to_f32(o[d]) * wa + x * wb;
+        o[d] = t3d__f32_to_bf16(y);
+      }
+    }
+  }
+}
+
+int t3d_attn_merge(t3d_attn_dtype_t out_dtype, void *out, float *lse, t3d_attn_dtype_t block_dtype,
+                   const void *block_out, const float *block_lse, int64_t rows, int64_t head_dim,
+                   const t3d_attn_exec_t *exec) {
+  if (out_dtype != T3D_ATTN_FLOAT32 && out_dtype != T3D_ATTN_BFLOAT16) return T3D_ATTN_ERR_INVALID_ARG;
+  if (block_dtype != T3D_ATTN_FLOAT32 && block_dtype != T3D_ATTN_BFLOAT16) return T3D_ATTN_ERR_INVALID_ARG;
+  if (rows < 0 || head_dim < 0) return T3D_ATTN_ERR_INVALID_ARG;
+  if (rows == 0) return T3D_ATTN_OK;
+  if (!lse || !block_lse || (head_dim > 0 && (!out || !block_out))) return T3D_ATTN_ERR_INVALID_ARG;
+  merge_job_t m = {out_dtype, block_dtype, out, lse, block_out, block_lse, rows, head_dim};
+  const int64_t tasks = (rows + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+  /* Small merges are not worth waking threads for. */
+  if ((double)rows * (double)head_dim < 262144.0) {
+    merge_job(&m, 0, tasks, NULL);
+    return T3D_ATTN_OK;
+  }
+  return run_tasks(exec, tasks, merge_job, &m, 0);
+}

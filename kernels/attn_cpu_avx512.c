@@ -1,0 +1,179 @@
+/* AVX-512 microkernels (F/BW/VL, compiled with those flags) and the drivers built on them. The bfloat16 GEMM uses
+ * vdpbf16ps and carries its own target attribute: it is only called when the CPU reports AVX512_BF16. */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define ATTN_SUFFIX(name) name##_avx512
+#define ATTN_HAS_BF16DOT 1
+
+static inline __mmask16 tail_mask16(int r) { return r >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << r) - 1u); }
+
+/* C[MR x 16 NV] (+)= A[MR x k] B[k x 16 NV]; the last vector of the tile is masked by lastm. */
+static inline __attribute__((always_inline)) void tile_f32(const int MR, const int NV, __mmask16 lastm, int k,
+                                                           const float *A, int lda, const float *B, int ldb,
+                                                           float *C, int ldc, int acc) {
+  __m512 c[4][4];
+  for (int r = 0; r < MR; r++)
+    for (int v = 0; v < NV; v++) {
+      const __mmask16 mk = v == NV - 1 ? lastm : (__mmask16)0xffff;
+      c[r][v] = acc ? _mm512_maskz_loadu_ps(mk, C + (int64_t)r * ldc + 16 * v) : _mm512_setzero_ps();
+    }
+  for (int p = 0; p < k; p++) {
+    __m512 bv[4];
+    const float *Bp = B + (int64_t)p * ldb;
+    for (int v = 0; v < NV; v++)
+      bv[v] = v == NV - 1 ? _mm512_maskz_loadu_ps(lastm, Bp + 16 * v) : _mm512_loadu_ps(Bp + 16 * v);
+    for (int r = 0; r < MR; r++) {
+      const __m512 a = _mm512_set1_ps(A[(int64_t)r * lda + p]);
+      for (int v = 0; v < NV; v++) c[r][v] = _mm512_fmadd_ps(a, bv[v], c[r][v]);
+    }
+  }
+  for (int r = 0; r < MR; r++)
+    for (int v = 0; v < NV; v++) {
+      const __mmask16 mk = v == NV - 1 ? lastm : (__mmask16)0xffff;
+      _mm512_mask_storeu_ps(C + (int64_t)r * ldc + 16 * v, mk, c[r][v]);
+    }
+}
+
+#define TILE_CASES(FN, ...)                                                                                        \
+  switch ((mr - 1) * 4 + (nv - 1)) {                                                                             \
+    case 0: FN(1, 1, __VA_ARGS__); break;                                                                        \
+    case 1: FN(1, 2, __VA_ARGS__); break;                                                                        \
+    case 2: FN(1, 3, __VA_ARGS__); break;                                                                        \
+    case 3: FN(1, 4, __VA_ARGS__); break;                                                                        \
+    case 4: FN(2, 1, __VA_ARGS__); break;                                                                        \
+    case 5: FN(2, 2, __VA_ARGS__); break;                                                                        \
+    case 6: FN(2, 3, __VA_ARGS__); break;                                                                        \
+    case 7: FN(2, 4, __VA_ARGS__); break;                                                                        \
+    case 8: FN(3, 1, __VA_ARGS__); break;                                                                        \
+    case 9: FN(3, 2, __VA_ARGS__); break;                                                                        \
+    case 10: FN(3, 3, __VA_ARGS__); break;                                                                       \
+    case 11: FN(3, 4, __VA_ARGS__); break;                                                                       \
+    case 12: FN(4, 1, __VA_ARGS__); break;                                                                       \
+    case 13: FN(4, 2, __VA_ARGS__); break;                                                                       \
+    case 14: FN(4, 3, __VA_ARGS__); break;                                                                       \
+    default: FN(4, 4, __VA_ARGS__); break;                                                                       \
+  }
+
+static void mk_gemm(int m, int n, int k, const float *A, int lda, const float *B, int ldb, float *C, int ldc,
+                    int acc) {
+  for (int j = 0; j < n; j += 64) {
+    const int nv = (n - j) >= 64 ? 4 : (n - j + 15) / 16;
+    const __mmask16 lastm = tail_mask16(n - j - 16 * (nv - 1));
+    for (int i = 0; i < m; i += 4) {
+      const int mr = m - i >= 4 ? 4 : m - i;
+      TILE_CASES(tile_f32, lastm, k, A + (int64_t)i * lda, lda, B + j, ldb, C + (int64_t)i * ldc + j, ldc, acc)
+    }
+  }
+}
+
+#define BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma")))
+
+/* As tile_f32 with A bfloat16 row-major and B bfloat16 packed in pairs; kp counts pairs. */
+static inline __attribute__((always_inline)) BF16_TARGET void tile_bf16(const int MR, const int NV,
+                                                                        __mmask16 lastm, int kp,
+                                                                        const uint16_t *A, int lda,
+                                                                        const uint16_t *B, int ldb, float *C,
+                                                                        int ldc, int acc) {
+  __m512 c[4][4];
+  for (int r = 0; r < MR; r++)
+    for (int v = 0; v < NV; v++) {
+      const __mmask16 mk = v == NV - 1 ? lastm : (__mmask16)0xffff;
+      c[r][v] = acc ? _mm512_maskz_loadu_ps(mk, C + (int64_t)r * ldc + 16 * v) : _mm512_setzero_ps();
+    }
+  for (int p = 0; p < kp; p++) {
+    __m512i bv[4];
+    const uint16_t *Bp = B + (int64_t)p * ldb * 2;
+    for (int v = 0; v < NV; v++)
+      bv[v] = v == NV - 1 ? _mm512_maskz_loadu_epi32(lastm, Bp + 32 * v) : _mm512_loadu_si512(Bp + 32 * v);
+    for (int r = 0; r < MR; r++) {
+      int32_t pair;
+      memcpy(&pair, A + (int64_t)r * lda + 2 * p, sizeof pair);
+      const __m512i a = _mm512_set1_epi32(pair);
+      for (int v = 0; v < NV; v++) c[r][v] = _mm512_dpbf16_ps(c[r][v], (__m512bh)a, (__m512bh)bv[v]);
+    }
+  }
+  for (int r = 0; r < MR; r++)
+    for (int v = 0; v < NV; v++) {
+      const __mmask16 mk = v == NV - 1 ? lastm : (__mmask16)0xffff;
+      _mm512_mask_storeu_ps(C + (int64_t)r * ldc + 16 * v, mk, c[r][v]);
+    }
+}
+
+static BF16_TARGET __attribute__((noinline)) void mk_gemm_bf16(int m, int n, int kp, const uint16_t *A, int lda,
+                                                               const uint16_t *B, int ldb, float *C, int ldc,
+                                                               int acc) {
+  for (int j = 0; j < n; j += 64) {
+    const int nv = (n - j) >= 64 ? 4 : (n - j + 15) / 16;
+    const __mmask16 lastm = tail_mask16(n - j - 16 * (nv - 1));
+    for (int i = 0; i < m; i += 4) {
+      const int mr = m - i >= 4 ? 4 : m - i;
+      TILE_CASES(tile_bf16, lastm, kp, A + (int64_t)i * lda, lda, B + (int64_t)j * 2, ldb,
+                 C + (int64_t)i * ldc + j, ldc, acc)
+    }
+  }
+}
+
+/* dst[0..n) = bfloat16(src), round to nearest even (vcvtne2ps2bf16; P holds no NaN), dst[n] = 0 when n is odd. */
+static BF16_TARGET __attribute__((noinline)) void mk_cvt_bf16_row(const float *src, int n, uint16_t *dst) {
+  int j = 0;
+  for (; j + 32 <= n; j += 32) {
+    const __m512bh h = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + j + 16), _mm512_loadu_ps(src + j));
+    _mm512_storeu_si512(dst + j, (__m512i)h);
+  }
+  for (; j + 16 <= n; j += 16) _mm256_storeu_si256((__m256i *)(dst + j), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + j)));
+  if (j < n) {
+    const __m512 x = _mm512_maskz_loadu_ps(tail_mask16(n - j), src + j);
+    _mm256_mask_storeu_epi16(dst + j, tail_mask16(n - j + (n & 1)), (__m256i)_mm512_cvtneps_pbh(x));
+  } else if (n & 1) {
+    dst[n] = 0;
+  }
+}
+
+static float mk_rowmax(const float *x, int n) {
+  __m512 m = _mm512_set1_ps(-INFINITY);
+  int j = 0;
+  for (; j + 16 <= n; j += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(x + j));
+  if (j < n) m = _mm512_max_ps(m, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), tail_mask16(n - j), x + j));
+  return _mm512_reduce_max_ps(m);
+}
+
+/* 2^x: x = n + f with |f| <= 1/2, 2^f by its degree-7 Taylor polynomial (relative error < 5e-9), then scalef.
+ * Clamping at -150 makes -inf (a masked score) an exact 0. */
+static inline __m512 exp2_ps(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-150.0f));
+  x = _mm512_min_ps(x, _mm512_set1_ps(128.0f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.525273380405984e-05f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381606e-04f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-03f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-02f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402265069591007e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931471805599453e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+static float mk_exp2_row(float *x, int n, float c, float sub) {
+  const __m512 vc = _mm512_set1_ps(c), vs = _mm512_set1_ps(sub);
+  __m512 sum = _mm512_setzero_ps();
+  int j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const __m512 e = exp2_ps(_mm512_fmsub_ps(vc, _mm512_loadu_ps(x + j), vs));
+    _mm512_storeu_ps(x + j, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  if (j < n) {
+    const __mmask16 mk = tail_mask16(n - j);
+    const __m512 e = exp2_ps(_mm512_fmsub_ps(vc, _mm512_maskz_loadu_ps(mk, x + j), vs));
+    _mm512_mask_storeu_ps(x + j, mk, e);
+    sum = _mm512_mask_add_ps(sum, mk, sum, e);
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+
+#include "attn_cpu_impl.h"

@@ -1,0 +1,73 @@
+/* Internal to the CPU attention kernels: the problem description shared by the dispatcher (attn_cpu.c) and the
+ * per-ISA drivers (attn_cpu_impl.h compiled once per ISA file). */
+#ifndef T3D_ATTN_CPU_INTERNAL_H
+#define T3D_ATTN_CPU_INTERNAL_H
+
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "t3d_attn.h"
+
+/* Tile sizes. Forward: a task owns ATTN_FWD_BQ queries of one (batch, head) and walks the keys ATTN_FWD_BK at a
+ * time. Backward: a task owns key blocks of ATTN_BWD_BK keys of one (batch, kv head) and walks the queries
+ * ATTN_BWD_BQ at a time. */
+#define ATTN_FWD_BQ 64
+#define ATTN_FWD_BK 128
+#define ATTN_BWD_BQ 64
+#define ATTN_BWD_BK 64
+#define ATTN_DMAX T3D_ATTN_MAX_HEAD_DIM
+
+typedef struct t3d__attn_problem {
+  t3d_attn_dtype_t dtype;
+  int use_bf16dot; /* AVX-512 path only: bfloat16 operands go through vdpbf16ps */
+  const void *q, *k, *v;
+  void *out;
+  float *lse;
+  /* backward */
+  const void *dout, *out_in;
+  const float *lse_in;
+  void *dq, *dk, *dv;
+  float *delta;  /* [B*Hq*Sq] dout . out */
+  float *dq_acc; /* [slabs][B*Hq*Sq*D] float32 dq accumulators (== dq when float32 and one slab) */
+  int64_t slabs; /* key blocks of one (batch, kv head) split round-robin over this many tasks */
+
+  int64_t B, Hq, Hkv, Sq, Sk, D, group; /* group = Hq / Hkv */
+  int causal;
+  float scale;
+  int64_t q_start, k_start;
+  int64_t nqb, nkb; /* query / key blocks of the pass being run */
+} t3d__attn_problem;
+
+/* Per-ISA driver entry points. task ranges index the pass's task list; scratch is per thread, scratch_bytes big. */
+typedef struct t3d__attn_isa_ops {
+  void (*fwd)(const t3d__attn_problem *p, int64_t begin, int64_t end, void *scratch);
+  void (*bwd)(const t3d__attn_problem *p, int64_t begin, int64_t end, void *scratch);
+} t3d__attn_isa_ops;
+
+extern const t3d__attn_isa_ops t3d__attn_ops_scalar;
+extern const t3d__attn_isa_ops t3d__attn_ops_avx2;
+extern const t3d__attn_isa_ops t3d__attn_ops_avx512;
+
+/* Generous per-thread scratch for either pass (floats), sized for ATTN_DMAX. */
+#define ATTN_SCRATCH_FLOATS                                                                                      \
+  ((size_t)(4 * ATTN_DMAX * 128 + 6 * 128 * 128 + 8 * 128 + 4096))
+
+static inline float t3d__bf16_to_f32(uint16_t h) {
+  uint32_t u = (uint32_t)h << 16;
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+/* Round to nearest even; NaN stays NaN (quiet). */
+static inline uint16_t t3d__f32_to_bf16(float f) {
+  uint32_t u;
+  memcpy(&u, &f, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (uint16_t)(u >> 16);
+}
+
+#endif
