@@ -13,6 +13,11 @@
 
 /* ---------- errors ---------- */
 
+/* Every error text is also kept per thread: a failed t3d_comm_init has no communicator to ask. */
+static _Thread_local char thread_last_error[1024];
+
+const char *t3d_thread_last_error(void) { return thread_last_error; }
+
 t3d_result_t t3d__set_error(t3d_comm_t *comm, t3d_result_t res, const char *fmt, ...) {
   char msg[1024];
   va_list ap;
@@ -20,6 +25,7 @@ t3d_result_t t3d__set_error(t3d_comm_t *comm, t3d_result_t res, const char *fmt,
   vsnprintf(msg, sizeof msg, fmt, ap);
   va_end(ap);
   T3D_INFO("%s", msg);
+  snprintf(thread_last_error, sizeof thread_last_error, "%s", msg);
   if (comm != NULL) {
     pthread_mutex_lock(&comm->err_mu);
     snprintf(comm->last_error, sizeof comm->last_error, "%s", msg);
@@ -43,6 +49,7 @@ const char *t3d_comm_last_error(t3d_comm_t *comm) {
 t3d_result_t t3d__store_set(t3d_comm_t *comm, const char *key, const void *value, size_t len) {
   char full[512];
   snprintf(full, sizeof full, "%s/%s", comm->prefix, key);
+  T3D_TRACE("store set '%s' (%zu bytes) rank %d", full, len, comm->rank);
   t3d_result_t res = comm->store.set(comm->store.ctx, full, value, len);
   if (res != T3D_OK) {
     return t3d__set_error(comm, res, "t3d: store set of '%s' failed on rank %d of group '%s': %s", full,
@@ -54,6 +61,7 @@ t3d_result_t t3d__store_set(t3d_comm_t *comm, const char *key, const void *value
 t3d_result_t t3d__store_get(t3d_comm_t *comm, const char *key, void **value, size_t *len) {
   char full[512];
   snprintf(full, sizeof full, "%s/%s", comm->prefix, key);
+  T3D_TRACE("store get '%s' rank %d", full, comm->rank);
   t3d_result_t res = comm->store.get(comm->store.ctx, full, value, len, comm->timeout_ms);
   if (res != T3D_OK) {
     return t3d__set_error(comm, res, "t3d: store get of '%s' failed on rank %d of group '%s' after %lld ms: %s",
@@ -673,6 +681,7 @@ t3d_result_t t3d_comm_init(t3d_comm_t **out, int rank, int size, const t3d_store
   snprintf(comm->prefix, sizeof comm->prefix, "%s", cfg->key_prefix ? cfg->key_prefix : "t3d");
 
   const char *want = cfg->transport ? cfg->transport : t3d__env_str("T3D_TRANSPORT", "auto");
+  snprintf(comm->transport, sizeof comm->transport, "%s", want);
   t3d_result_t res = pick_transport(comm, want);
   if (res == T3D_OK) res = comm->tp->init(comm, &comm->tp_state);
   if (res == T3D_OK) {
@@ -789,8 +798,15 @@ t3d_result_t t3d_comm_split(t3d_comm_t *parent, int color, int key, const t3d_co
     char prefix[300];
     snprintf(prefix, sizeof prefix, "%s/split%d/color%d", parent->prefix, split_id, color);
     c.key_prefix = prefix;
-    if (c.transport == NULL) c.transport = parent->tp->name;
+    if (c.transport == NULL) c.transport = parent->transport;
     res = t3d_comm_init(newcomm, newrank, count, &parent->store, &c);
+    if (res != T3D_OK) {
+      t3d__set_error(parent, res, "t3d_comm_split: rank %d of group '%s' could not create its part (color %d): %s",
+                     parent->rank, parent->name, color, t3d_thread_last_error());
+    }
+  } else if (res != T3D_OK) {
+    t3d__set_error(parent, res, "t3d_comm_split: exchanging colors on group '%s' failed: %s", parent->name,
+                   t3d_thread_last_error());
   }
   free(all);
   free(members);

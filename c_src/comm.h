@@ -70,6 +70,7 @@ struct t3d_comm {
   const t3d_transport_t *tp;
   void *tp_state;
   t3d_shm_t *shm; /* same-host collectives, or NULL */
+  char transport[16]; /* what was asked for: auto, ucx or shm (splits inherit it) */
 
   pthread_t thread;
   int thread_started;

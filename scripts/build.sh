@@ -6,9 +6,10 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$1"; shift || true
 BUILD="${T3D_BUILD_DIR:-$ROOT/build}"
 JOBS="$(nproc)"
-cmake -S "$ROOT" -B "$BUILD" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DT3D_PYTHON="$VENV/bin/python" "$@" >/dev/null
+cmake -S "$ROOT" -B "$BUILD" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DT3D_BUILD_SHIM=ON -DT3D_BUILD_TESTS=ON \
+  -DT3D_PYTHON="$VENV/bin/python" "$@" >/dev/null
 cmake --build "$BUILD" -j "$JOBS"
-# The shim and libt3d land next to the Python sources (python/t3d/lib), where the package loads them.
+# The shim and libt3d land next to the Python sources (python/t3d/), where the package loads them.
 if ! "$VENV/bin/python" -c 'import importlib.metadata as m; m.distribution("t3d")' >/dev/null 2>&1; then
   "$VENV/bin/pip" install -q --no-build-isolation --no-deps -e "$ROOT"
 fi

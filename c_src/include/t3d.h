@@ -116,6 +116,8 @@ t3d_result_t t3d_comm_status(t3d_comm_t *comm);
 /* Text of the last error on this communicator ("" if none). Valid until the next call that fails. */
 const char *t3d_comm_last_error(t3d_comm_t *comm);
 const char *t3d_comm_transport(const t3d_comm_t *comm);
+/* Text of the last error recorded on the calling thread, by any communicator or by a t3d_comm_init that failed. */
+const char *t3d_thread_last_error(void);
 
 /* Collectives. Counts are in elements of dtype. sendbuf == recvbuf means in place. Buffers must stay valid until the
  * request completes; count/displacement arrays are copied at call time. */

@@ -24,7 +24,7 @@ typedef struct ucx_state {
   do {                                                                                          \
     ucs_status_t ucx_st_ = (call);                                                              \
     if (ucx_st_ != UCS_OK) {                                                                    \
-      (res) = t3d__set_error(st->comm, T3D_ERR_TRANSPORT, "t3d: %s failed: %s (rank %d, group '%s')", \
+      (res) = t3d__set_error(st->comm, T3D_ERR_TRANSPORT, "t3d: UCX call %s failed: %s (rank %d, group '%s')", \
                              #call, ucs_status_string(ucx_st_), st->comm->rank, st->comm->name);     \
       goto label;                                                                               \
     }                                                                                           \
@@ -78,13 +78,17 @@ static t3d_result_t ucx_init(t3d_comm_t *comm, void **state) {
   size_t addr_len = 0;
 
   UCX_CHECK_GOTO(ucp_config_read(NULL, NULL, &config), res, fail);
+  /* UCX 1.13's System V transport fails to attach peers' segments once a process holds several workers
+   * ("shmat ... Invalid argument" when a group is split twice); POSIX shared memory and CMA carry the same traffic.
+   * A user's own UCX_TLS still wins. */
+  if (getenv("UCX_TLS") == NULL) ucp_config_modify(config, "TLS", "^sysv");
   ucp_params_t params;
   memset(&params, 0, sizeof params);
   params.field_mask = UCP_PARAM_FIELD_FEATURES;
   params.features = UCP_FEATURE_TAG;
   ucs_status_t s = ucp_init(&params, config, &st->context);
   ucp_config_release(config);
-  UCX_CHECK_GOTO(s, res, fail);
+  UCX_CHECK_GOTO(s /* ucp_init */, res, fail);
 
   ucp_worker_params_t wparams;
   memset(&wparams, 0, sizeof wparams);
@@ -128,7 +132,7 @@ static t3d_result_t ucx_init(t3d_comm_t *comm, void **state) {
     ep.err_handler.arg = &st->err_args[p];
     s = ucp_ep_create(st->worker, &ep, &st->eps[p]);
     if (p != comm->rank) free(remote);
-    UCX_CHECK_GOTO(s, res, fail);
+    UCX_CHECK_GOTO(s /* ucp_ep_create to the peer */, res, fail);
   }
   ucp_worker_release_address(st->worker, addr);
   *state = st;

@@ -1,0 +1,92 @@
+// t3d._C: the pybind11 module that creates ProcessGroupT3D for torch.distributed and reports build facts.
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/utils/pybind.h>
+#include <torch/version.h>
+
+#include <chrono>
+#include <cmath>
+
+#include "process_group_t3d.hpp"
+
+namespace py = pybind11;
+
+namespace {
+
+// Holder of the Python object: drops the last reference with the GIL released, because destroying the backend
+// drains t3d's queue, whose completions may run Python future callbacks on other threads. One intrusive_ptr, like
+// the holder torch registers Backend with, so pybind can view it as the base class's holder.
+template <typename T>
+class NoGilPtr {
+ public:
+  NoGilPtr() = default;
+  NoGilPtr(const NoGilPtr&) = default;
+  NoGilPtr(NoGilPtr&&) noexcept = default;
+  NoGilPtr& operator=(const NoGilPtr&) = default;
+  NoGilPtr& operator=(NoGilPtr&&) noexcept = default;
+  explicit NoGilPtr(T* raw) : p_(c10::intrusive_ptr<T>::unsafe_reclaim_from_nonowning(raw)) {}
+  explicit NoGilPtr(c10::intrusive_ptr<T> p) : p_(std::move(p)) {}
+  ~NoGilPtr() {
+    if (p_ && PyGILState_Check()) {
+      py::gil_scoped_release nogil;
+      p_.reset();
+    }
+  }
+  T* get() const {
+    return p_.get();
+  }
+
+ private:
+  c10::intrusive_ptr<T> p_;
+};
+
+t3d_shim::ProcessGroupT3D& asT3D(const c10::intrusive_ptr<c10d::Backend>& backend) {
+  auto* pg = dynamic_cast<t3d_shim::ProcessGroupT3D*>(backend.get());
+  TORCH_CHECK(pg != nullptr, "t3d: expected a t3d backend, got ", backend ? backend->getBackendName() : "None");
+  return *pg;
+}
+
+}  // namespace
+
+PYBIND11_DECLARE_HOLDER_TYPE(T, NoGilPtr<T>, true)
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "t3d: torch.distributed backend over the t3d C library";
+  // Backend, Store and Work must be registered with pybind before our signatures mention them.
+  py::module_::import("torch.distributed");
+
+  // A subclass of torch's Backend, for what torch reads only from concrete classes (split_group reads `options`).
+  py::class_<t3d_shim::ProcessGroupT3D, c10d::Backend, NoGilPtr<t3d_shim::ProcessGroupT3D>>(m, "ProcessGroupT3D")
+      .def_property_readonly("options", &t3d_shim::ProcessGroupT3D::getBackendOptions)
+      .def_property_readonly("transport", &t3d_shim::ProcessGroupT3D::transport)
+      .def_property_readonly("group_name", &t3d_shim::ProcessGroupT3D::groupName);
+
+  m.def(
+      "_create_backend",
+      [](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, double timeoutSeconds,
+         const std::string& groupName, const std::vector<int64_t>& globalRanks) {
+        auto ms = std::chrono::milliseconds(static_cast<int64_t>(std::llround(timeoutSeconds * 1000.0)));
+        return NoGilPtr<t3d_shim::ProcessGroupT3D>(
+            t3d_shim::ProcessGroupT3D::create(store, rank, size, ms, groupName, globalRanks));
+      },
+      py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout_seconds"), py::arg("group_name"),
+      py::arg("global_ranks"),
+      // Communicator setup waits on the store for every rank; other Python threads keep running.
+      py::call_guard<py::gil_scoped_release>(),
+      "Collective over the group: creates the t3d backend (called by the creator registered with torch).");
+
+  m.def(
+      "_transport",
+      [](const c10::intrusive_ptr<c10d::Backend>& backend) { return asT3D(backend).transport(); },
+      "Transport the backend's communicator uses (e.g. 'ucx').");
+
+  m.def("_build_info", []() {
+    py::dict d;
+    d["version"] = t3d_version_string();
+    d["torch_built"] = T3D_TORCH_BUILD_VERSION;
+    d["torch_abi_version"] = TORCH_VERSION;
+    d["ucx_version"] = t3d_ucx_version_string();
+    d["cuda"] = false;
+    return d;
+  });
+}

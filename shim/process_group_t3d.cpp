@@ -1,0 +1,863 @@
+// ProcessGroupT3D: argument checks and the mapping of each c10d collective onto t3d's non-blocking C calls.
+#include "process_group_t3d.hpp"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <numeric>
+
+namespace t3d_shim {
+
+namespace {
+
+// Elements in one row along dim 0 (alltoall splits count rows).
+int64_t rowElems(const at::Tensor& t) {
+  int64_t n = 1;
+  for (int64_t d = 1; d < t.dim(); ++d) n *= t.size(d);
+  return n;
+}
+
+std::vector<size_t> prefixSums(const std::vector<size_t>& counts) {
+  std::vector<size_t> displs(counts.size(), 0);
+  for (size_t i = 1; i < counts.size(); ++i) displs[i] = displs[i - 1] + counts[i - 1];
+  return displs;
+}
+
+}  // namespace
+
+c10::intrusive_ptr<ProcessGroupT3D> ProcessGroupT3D::create(const c10::intrusive_ptr<c10d::Store>& store, int rank,
+                                                            int size, std::chrono::milliseconds timeout,
+                                                            const std::string& groupName,
+                                                            const std::vector<int64_t>& globalRanks) {
+  TORCH_CHECK(store, "t3d: ProcessGroupT3D needs a store");
+  TORCH_CHECK(size > 0 && rank >= 0 && rank < size, "t3d: invalid rank ", rank, " for group size ", size);
+  auto adapter = std::make_shared<StoreAdapter>(store);
+  t3d_config_t cfg;
+  t3d_config_init(&cfg);
+  cfg.timeout_ms = timeout.count() > 0 ? timeout.count() : 0;
+  cfg.name = groupName.c_str();
+  t3d_comm_t* comm = nullptr;
+  t3d_result_t r = t3d_comm_init(&comm, rank, size, adapter->get(), &cfg);
+  if (r != T3D_OK) {
+    std::string detail = t3d_thread_last_error();
+    C10_THROW_ERROR(DistBackendError, c10::str("t3d: creating the communicator of group '", groupName, "' on rank ",
+                                               rank, " of ", size, " failed: ", t3d_result_string(r),
+                                               detail.empty() ? "" : ": ", detail));
+  }
+  return c10::make_intrusive<ProcessGroupT3D>(std::move(adapter), std::make_shared<CommHandle>(comm), rank, size,
+                                              timeout, groupName, globalRanks);
+}
+
+ProcessGroupT3D::ProcessGroupT3D(std::shared_ptr<StoreAdapter> store, std::shared_ptr<CommHandle> comm, int rank,
+                                 int size, std::chrono::milliseconds timeout, std::string groupName,
+                                 std::vector<int64_t> globalRanks)
+    : Backend(rank, size),
+      store_(std::move(store)),
+      comm_(std::move(comm)),
+      timeout_(timeout),
+      groupName_(std::move(groupName)),
+      globalRanks_(std::move(globalRanks)) {
+  init();
+}
+
+ProcessGroupT3D::~ProcessGroupT3D() {
+  // A broken communicator may never drain: abort it so that destroy returns.
+  if (comm_->state == CommHandle::kAlive && t3d_comm_status(comm_->comm) != T3D_OK) comm_->abort();
+  comm_->destroy();
+}
+
+t3d_comm_t* ProcessGroupT3D::comm() const {
+  TORCH_CHECK(comm_->state == CommHandle::kAlive, "t3d: group '", groupName_, "' on rank ", rank_,
+              " was shut down");
+  return comm_->comm;
+}
+
+c10::intrusive_ptr<c10d::Backend::Options> ProcessGroupT3D::getBackendOptions() {
+  auto o = c10::make_intrusive<Options>("t3d", timeout_);
+  o->group_name = groupName_;
+  for (int64_t g : globalRanks_) o->global_ranks_in_group.push_back(static_cast<uint64_t>(g));
+  return o;
+}
+
+void ProcessGroupT3D::setTimeout(std::chrono::milliseconds timeout) {
+  timeout_ = timeout;
+}
+
+int64_t ProcessGroupT3D::timeoutMs(std::chrono::milliseconds t) const {
+  return t.count() > 0 ? t.count() : timeout_.count();
+}
+
+t3d_opts_t ProcessGroupT3D::cOpts(std::chrono::milliseconds t, double premul) const {
+  t3d_opts_t o;
+  o.timeout_ms = timeoutMs(t);
+  o.premul_scalar = premul;
+  return o;
+}
+
+void ProcessGroupT3D::fail(const OpCtx& c, t3d_result_t r, const char* what) const {
+  const char* detail = comm_->state == CommHandle::kAlive ? t3d_comm_last_error(comm_->comm) : "";
+  C10_THROW_ERROR(DistBackendError, c10::str("t3d: ", c.op, " on rank ", rank_, " of group '", groupName_, "': ",
+                                             what, " failed: ", t3d_result_string(r),
+                                             (detail && detail[0]) ? ": " : "", detail ? detail : ""));
+}
+
+void ProcessGroupT3D::checkRoot(const OpCtx& c, int64_t root) const {
+  TORCH_CHECK(root >= 0 && root < size_, "t3d: ", c.op, " on rank ", rank_, ": root rank ", root,
+              " is outside the group of size ", size_);
+}
+
+void ProcessGroupT3D::checkPeer(const OpCtx& c, const char* arg, int peer) const {
+  TORCH_CHECK(peer >= 0 && peer < size_, "t3d: ", c.op, " on rank ", rank_, ": ", arg, " ", peer,
+              " is outside the group of size ", size_);
+}
+
+ProcessGroupT3D::Rop ProcessGroupT3D::rop(const OpCtx& c, const c10d::ReduceOp& op) const {
+  Rop r;
+  r.op = mapReduceOp(c, op, &r.premul);
+  return r;
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::run(c10d::OpType type, const OpCtx& c, Plan&& p,
+                                                    std::chrono::milliseconds timeout) {
+  t3d_comm_t* cm = comm();
+  uint64_t seq = ++seq_;
+  auto work = c10::make_intrusive<WorkT3D>(comm_, rank_, type, c.op, groupName_, seq, timeoutMs(timeout),
+                                           std::move(p.outputs));
+  t3d_request_t* req = nullptr;
+  if (p.issue.size() == 1) {
+    check(c, p.issue[0](&req), c.op);
+  } else {
+    // Several C operations: one t3d group, one request for all of them.
+    check(c, t3d_group_start(cm), "t3d_group_start");
+    for (auto& issue : p.issue) {
+      t3d_request_t* one = nullptr;
+      t3d_result_t r = issue(&one);
+      if (r != T3D_OK && r != T3D_IN_PROGRESS) {
+        std::string detail = t3d_comm_last_error(cm);
+        t3d_request_t* g = nullptr;
+        t3d_group_end(cm, &g);
+        if (g != nullptr) t3d_request_free(g);
+        C10_THROW_ERROR(DistBackendError, c10::str("t3d: ", c.op, " on rank ", rank_, " of group '", groupName_,
+                                                   "' failed: ", t3d_result_string(r), ": ", detail));
+      }
+      t3d_request_free(one);
+    }
+    check(c, t3d_group_end(cm, &req), "t3d_group_end");
+  }
+  work->setRequest(req);
+  for (auto& t : p.keep) work->keepAlive(t);
+  if (!p.post.empty()) {
+    work->setPost([post = std::move(p.post)](WorkT3D& w) {
+      for (auto& f : post) f(w);
+    });
+  }
+  work->arm();
+  if (coalescing_) coalesced_.push_back(work);
+  return work;
+}
+
+// ---- coalescing -------------------------------------------------------------------------------------------------
+
+void ProcessGroupT3D::startCoalescing() {
+  OpCtx c = ctx("startCoalescing");
+  TORCH_CHECK(!coalescing_, "t3d: startCoalescing on rank ", rank_, " while a coalescing block is already open");
+  check(c, t3d_group_start(comm()), "t3d_group_start");
+  coalescing_ = true;
+  coalesced_.clear();
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::endCoalescing() {
+  OpCtx c = ctx("endCoalescing");
+  TORCH_CHECK(coalescing_, "t3d: endCoalescing on rank ", rank_, " without startCoalescing");
+  coalescing_ = false;
+  std::vector<c10::intrusive_ptr<WorkT3D>> members;
+  members.swap(coalesced_);
+  t3d_request_t* req = nullptr;
+  check(c, t3d_group_end(comm(), &req), "t3d_group_end");
+  std::vector<at::Tensor> outputs;
+  for (auto& m : members) outputs.insert(outputs.end(), m->outputs().begin(), m->outputs().end());
+  auto work = c10::make_intrusive<WorkT3D>(comm_, rank_, c10d::OpType::COALESCED, "coalesced", groupName_, ++seq_,
+                                           timeout_.count(), std::move(outputs));
+  work->setRequest(req);
+  // The group request says the C operations are done; the members may still be copying results back.
+  for (auto& m : members) work->dependOn(m);
+  work->arm();
+  return work;
+}
+
+// ---- reductions -------------------------------------------------------------------------------------------------
+
+void ProcessGroupT3D::planAllreduce(const OpCtx& c, const char* arg, const at::Tensor& t, Rop r,
+                                    const t3d_opts_t& o, Plan& p) {
+  checkTensor(c, arg, t);
+  CType ct = reduceType(c, arg, t);
+  checkReduceSupported(c, arg, r.op, t, ct.dtype);
+  Staged s = stage(t, true);
+  t3d_comm_t* cm = comm();
+  void* buf = dataPtr(s.buf);
+  size_t n = static_cast<size_t>(t.numel());
+  p.issue.push_back([=](t3d_request_t** req) { return t3d_allreduce(cm, buf, buf, n, ct.dtype, r.op, &o, req); });
+  p.keep.push_back(s.buf);
+  if (s.staged) p.post.push_back([s](WorkT3D&) { s.copyBack(); });
+  p.outputs.push_back(t);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::allreduce(std::vector<at::Tensor>& tensors,
+                                                          const c10d::AllreduceOptions& opts) {
+  OpCtx c = ctx("allreduce");
+  checkListSize(c, "tensors", tensors.size(), 1);
+  TORCH_CHECK(!opts.sparseIndices.has_value(), "t3d: allreduce on rank ", rank_, ": sparse allreduce is not supported");
+  Rop r = rop(c, opts.reduceOp);
+  Plan p;
+  planAllreduce(c, "tensors[0]", tensors[0], r, cOpts(opts.timeout, r.premul), p);
+  return run(c10d::OpType::ALLREDUCE, c, std::move(p), opts.timeout);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::allreduce_coalesced(std::vector<at::Tensor>& tensors,
+                                                                    const c10d::AllreduceCoalescedOptions& opts) {
+  OpCtx c = ctx("allreduce_coalesced");
+  Rop r = rop(c, opts.reduceOp);
+  t3d_opts_t o = cOpts(opts.timeout, r.premul);
+  Plan p;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    std::string arg = c10::str("tensors[", i, "]");
+    planAllreduce(c, arg.c_str(), tensors[i], r, o, p);
+  }
+  return run(c10d::OpType::ALLREDUCE_COALESCED, c, std::move(p), opts.timeout);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::reduce(std::vector<at::Tensor>& tensors,
+                                                       const c10d::ReduceOptions& opts) {
+  OpCtx c = ctx("reduce");
+  checkListSize(c, "tensors", tensors.size(), 1);
+  checkRoot(c, opts.rootRank);
+  const at::Tensor& t = tensors[0];
+  checkTensor(c, "tensors[0]", t);
+  Rop r = rop(c, opts.reduceOp);
+  CType ct = reduceType(c, "tensors[0]", t);
+  checkReduceSupported(c, "tensors[0]", r.op, t, ct.dtype);
+  Staged s = stage(t, true);
+  t3d_opts_t o = cOpts(opts.timeout, r.premul);
+  t3d_comm_t* cm = comm();
+  void* buf = dataPtr(s.buf);
+  size_t n = static_cast<size_t>(t.numel());
+  int root = static_cast<int>(opts.rootRank);
+  Plan p;
+  p.issue.push_back([=](t3d_request_t** req) { return t3d_reduce(cm, buf, buf, n, ct.dtype, r.op, root, &o, req); });
+  p.keep.push_back(s.buf);
+  if (s.staged && rank_ == root) p.post.push_back([s](WorkT3D&) { s.copyBack(); });
+  p.outputs.push_back(t);
+  return run(c10d::OpType::REDUCE, c, std::move(p), opts.timeout);
+}
+
+void ProcessGroupT3D::planReduceScatterList(const OpCtx& c, const at::Tensor& out, const std::vector<at::Tensor>& ins,
+                                            Rop r, const t3d_opts_t& o, Plan& p) {
+  checkTensor(c, "outputTensors[0]", out);
+  checkListSize(c, "inputTensors[0]", ins.size(), static_cast<size_t>(size_));
+  CType ct = reduceType(c, "outputTensors[0]", out);
+  checkReduceSupported(c, "outputTensors[0]", r.op, out, ct.dtype);
+  std::vector<size_t> counts(size_);
+  bool even = true;
+  for (int i = 0; i < size_; ++i) {
+    std::string arg = c10::str("inputTensors[0][", i, "]");
+    checkTensor(c, arg.c_str(), ins[i]);
+    checkSameDtype(c, arg.c_str(), ins[i], out, "outputTensors[0]");
+    counts[i] = static_cast<size_t>(ins[i].numel());
+    even = even && counts[i] == counts[0];
+  }
+  TORCH_CHECK(counts[rank_] == static_cast<size_t>(out.numel()), "t3d: ", c.op, " on rank ", rank_,
+              ": argument 'outputTensors[0]' has ", out.numel(), " elements but 'inputTensors[0][", rank_, "]' has ",
+              counts[rank_]);
+  std::vector<size_t> displs = prefixSums(counts);
+  size_t total = displs.back() + counts.back();
+  at::Tensor flat = at::empty({static_cast<int64_t>(total)}, out.options().memory_format(at::MemoryFormat::Contiguous));
+  for (int i = 0; i < size_; ++i) {
+    if (counts[i] > 0) flat.narrow(0, displs[i], counts[i]).copy_(ins[i].reshape({-1}));
+  }
+  Staged s = stage(out, false);
+  t3d_comm_t* cm = comm();
+  const void* sb = dataPtr(flat);
+  void* rb = dataPtr(s.buf);
+  if (even) {
+    size_t n = counts[0];
+    p.issue.push_back(
+        [=](t3d_request_t** req) { return t3d_reduce_scatter(cm, sb, rb, n, ct.dtype, r.op, &o, req); });
+  } else {
+    p.issue.push_back([=](t3d_request_t** req) {
+      return t3d_reduce_scatterv(cm, sb, rb, counts.data(), ct.dtype, r.op, &o, req);
+    });
+  }
+  p.keep.push_back(flat);
+  p.keep.push_back(s.buf);
+  if (s.staged) p.post.push_back([s](WorkT3D&) { s.copyBack(); });
+  p.outputs.push_back(out);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::reduce_scatter(std::vector<at::Tensor>& outputTensors,
+                                                               std::vector<std::vector<at::Tensor>>& inputTensors,
+                                                               const c10d::ReduceScatterOptions& opts) {
+  OpCtx c = ctx("reduce_scatter");
+  checkListSize(c, "outputTensors", outputTensors.size(), 1);
+  checkListSize(c, "inputTensors", inputTensors.size(), 1);
+  Rop r = rop(c, opts.reduceOp);
+  Plan p;
+  planReduceScatterList(c, outputTensors[0], inputTensors[0], r, cOpts(opts.timeout, r.premul), p);
+  return run(c10d::OpType::REDUCE_SCATTER, c, std::move(p), opts.timeout);
+}
+
+void ProcessGroupT3D::planReduceScatterBase(const OpCtx& c, const char* outArg, const at::Tensor& out,
+                                            const char* inArg, const at::Tensor& in, Rop r, const t3d_opts_t& o,
+                                            Plan& p) {
+  checkTensor(c, outArg, out);
+  checkTensor(c, inArg, in);
+  checkSameDtype(c, inArg, in, out, outArg);
+  CType ct = reduceType(c, outArg, out);
+  checkReduceSupported(c, outArg, r.op, out, ct.dtype);
+  TORCH_CHECK(in.numel() == out.numel() * size_, "t3d: ", c.op, " on rank ", rank_, ": argument '", inArg, "' has ",
+              in.numel(), " elements, expected group size ", size_, " x ", out.numel(), " ('", outArg, "' has ",
+              out.numel(), ")");
+  Staged si = stage(in, true);
+  Staged so = stage(out, false);
+  t3d_comm_t* cm = comm();
+  const void* sb = dataPtr(si.buf);
+  void* rb = dataPtr(so.buf);
+  size_t n = static_cast<size_t>(out.numel());
+  p.issue.push_back([=](t3d_request_t** req) { return t3d_reduce_scatter(cm, sb, rb, n, ct.dtype, r.op, &o, req); });
+  p.keep.push_back(si.buf);
+  p.keep.push_back(so.buf);
+  if (so.staged) p.post.push_back([so](WorkT3D&) { so.copyBack(); });
+  p.outputs.push_back(out);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::_reduce_scatter_base(at::Tensor& outputBuffer, at::Tensor& inputBuffer,
+                                                                     const c10d::ReduceScatterOptions& opts) {
+  OpCtx c = ctx("_reduce_scatter_base");
+  Rop r = rop(c, opts.reduceOp);
+  Plan p;
+  planReduceScatterBase(c, "outputBuffer", outputBuffer, "inputBuffer", inputBuffer, r,
+                        cOpts(opts.timeout, r.premul), p);
+  return run(c10d::OpType::_REDUCE_SCATTER_BASE, c, std::move(p), opts.timeout);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::reduce_scatter_tensor_coalesced(
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs, const c10d::ReduceScatterOptions& opts) {
+  OpCtx c = ctx("reduce_scatter_tensor_coalesced");
+  checkListSize(c, "inputs", inputs.size(), outputs.size());
+  Rop r = rop(c, opts.reduceOp);
+  t3d_opts_t o = cOpts(opts.timeout, r.premul);
+  Plan p;
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    std::string oa = c10::str("outputs[", i, "]"), ia = c10::str("inputs[", i, "]");
+    planReduceScatterBase(c, oa.c_str(), outputs[i], ia.c_str(), inputs[i], r, o, p);
+  }
+  return run(c10d::OpType::COALESCED, c, std::move(p), opts.timeout);
+}
+
+// ---- data movement ----------------------------------------------------------------------------------------------
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::broadcast(std::vector<at::Tensor>& tensors,
+                                                          const c10d::BroadcastOptions& opts) {
+  OpCtx c = ctx("broadcast");
+  checkListSize(c, "tensors", tensors.size(), 1);
+  checkRoot(c, opts.rootRank);
+  const at::Tensor& t = tensors[0];
+  checkTensor(c, "tensors[0]", t);
+  CType ct = moveType(c, "tensors[0]", t);
+  Staged s = stage(t, true);
+  t3d_opts_t o = cOpts(opts.timeout);
+  t3d_comm_t* cm = comm();
+  void* buf = dataPtr(s.buf);
+  size_t n = static_cast<size_t>(t.numel()) * ct.scale;
+  int root = static_cast<int>(opts.rootRank);
+  Plan p;
+  p.issue.push_back([=](t3d_request_t** req) { return t3d_broadcast(cm, buf, n, ct.dtype, root, &o, req); });
+  p.keep.push_back(s.buf);
+  if (s.staged && rank_ != root) p.post.push_back([s](WorkT3D&) { s.copyBack(); });
+  p.outputs.push_back(t);
+  return run(c10d::OpType::BROADCAST, c, std::move(p), opts.timeout);
+}
+
+void ProcessGroupT3D::planAllgatherList(const OpCtx& c, const char* outArg, const std::vector<at::Tensor>& outs,
+                                        const char* inArg, const at::Tensor& in, const t3d_opts_t& o, Plan& p) {
+  checkTensor(c, inArg, in);
+  checkListSize(c, outArg, outs.size(), static_cast<size_t>(size_));
+  CType ct = moveType(c, inArg, in);
+  std::vector<size_t> counts(size_);
+  bool even = true;
+  for (int i = 0; i < size_; ++i) {
+    std::string arg = c10::str(outArg, "[", i, "]");
+    checkTensor(c, arg.c_str(), outs[i]);
+    checkSameDtype(c, arg.c_str(), outs[i], in, inArg);
+    counts[i] = static_cast<size_t>(outs[i].numel());
+    even = even && counts[i] == counts[0];
+  }
+  TORCH_CHECK(counts[rank_] == static_cast<size_t>(in.numel()), "t3d: ", c.op, " on rank ", rank_, ": argument '",
+              outArg, "[", rank_, "]' has ", counts[rank_], " elements but '", inArg, "' has ", in.numel());
+  std::vector<size_t> displs = prefixSums(counts);
+  size_t total = displs.back() + counts.back();
+  at::Tensor flat = at::empty({static_cast<int64_t>(total)}, in.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor src = in.contiguous();
+  t3d_comm_t* cm = comm();
+  const void* sb = dataPtr(src);
+  void* rb = dataPtr(flat);
+  size_t sc = ct.scale;
+  if (even) {
+    size_t n = counts[0] * sc;
+    p.issue.push_back([=](t3d_request_t** req) { return t3d_allgather(cm, sb, rb, n, ct.dtype, &o, req); });
+  } else {
+    std::vector<size_t> rc(size_), rd(size_);
+    for (int i = 0; i < size_; ++i) {
+      rc[i] = counts[i] * sc;
+      rd[i] = displs[i] * sc;
+    }
+    size_t n = counts[rank_] * sc;
+    p.issue.push_back([=](t3d_request_t** req) {
+      return t3d_allgatherv(cm, sb, n, rb, rc.data(), rd.data(), ct.dtype, &o, req);
+    });
+  }
+  p.keep.push_back(src);
+  p.keep.push_back(flat);
+  p.post.push_back([flat, outs, counts, displs](WorkT3D&) {
+    for (size_t i = 0; i < outs.size(); ++i) {
+      if (counts[i] > 0) outs[i].copy_(flat.narrow(0, displs[i], counts[i]).view(outs[i].sizes()));
+    }
+  });
+  p.outputs.insert(p.outputs.end(), outs.begin(), outs.end());
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::allgather(std::vector<std::vector<at::Tensor>>& outputTensors,
+                                                          std::vector<at::Tensor>& inputTensors,
+                                                          const c10d::AllgatherOptions& opts) {
+  OpCtx c = ctx("allgather");
+  checkListSize(c, "inputTensors", inputTensors.size(), 1);
+  checkListSize(c, "outputTensors", outputTensors.size(), 1);
+  Plan p;
+  planAllgatherList(c, "outputTensors[0]", outputTensors[0], "inputTensors[0]", inputTensors[0], cOpts(opts.timeout),
+                    p);
+  return run(c10d::OpType::ALLGATHER, c, std::move(p), opts.timeout);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::allgather_coalesced(
+    std::vector<std::vector<at::Tensor>>& outputTensorLists, std::vector<at::Tensor>& inputTensors,
+    const c10d::AllgatherOptions& opts) {
+  OpCtx c = ctx("allgather_coalesced");
+  checkListSize(c, "outputTensorLists", outputTensorLists.size(), inputTensors.size());
+  t3d_opts_t o = cOpts(opts.timeout);
+  Plan p;
+  for (size_t i = 0; i < inputTensors.size(); ++i) {
+    std::string oa = c10::str("outputTensorLists[", i, "]"), ia = c10::str("inputTensors[", i, "]");
+    planAllgatherList(c, oa.c_str(), outputTensorLists[i], ia.c_str(), inputTensors[i], o, p);
+  }
+  return run(c10d::OpType::ALLGATHER_COALESCED, c, std::move(p), opts.timeout);
+}
+
+void ProcessGroupT3D::planAllgatherBase(const OpCtx& c, const char* outArg, const at::Tensor& out, const char* inArg,
+                                        const at::Tensor& in, const t3d_opts_t& o, Plan& p) {
+  checkTensor(c, outArg, out);
+  checkTensor(c, inArg, in);
+  checkSameDtype(c, outArg, out, in, inArg);
+  TORCH_CHECK(out.numel() == in.numel() * size_, "t3d: ", c.op, " on rank ", rank_, ": argument '", outArg, "' has ",
+              out.numel(), " elements, expected group size ", size_, " x ", in.numel(), " ('", inArg, "' has ",
+              in.numel(), ")");
+  CType ct = moveType(c, inArg, in);
+  Staged si = stage(in, true);
+  Staged so = stage(out, false);
+  t3d_comm_t* cm = comm();
+  const void* sb = dataPtr(si.buf);
+  void* rb = dataPtr(so.buf);
+  size_t n = static_cast<size_t>(in.numel()) * ct.scale;
+  p.issue.push_back([=](t3d_request_t** req) { return t3d_allgather(cm, sb, rb, n, ct.dtype, &o, req); });
+  p.keep.push_back(si.buf);
+  p.keep.push_back(so.buf);
+  if (so.staged) p.post.push_back([so](WorkT3D&) { so.copyBack(); });
+  p.outputs.push_back(out);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::_allgather_base(at::Tensor& outputBuffer, at::Tensor& inputBuffer,
+                                                                const c10d::AllgatherOptions& opts) {
+  OpCtx c = ctx("_allgather_base");
+  Plan p;
+  planAllgatherBase(c, "outputBuffer", outputBuffer, "inputBuffer", inputBuffer, cOpts(opts.timeout), p);
+  return run(c10d::OpType::_ALLGATHER_BASE, c, std::move(p), opts.timeout);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                                std::vector<at::Tensor>& inputs,
+                                                                                const c10d::AllgatherOptions& opts) {
+  OpCtx c = ctx("allgather_into_tensor_coalesced");
+  checkListSize(c, "inputs", inputs.size(), outputs.size());
+  t3d_opts_t o = cOpts(opts.timeout);
+  Plan p;
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    std::string oa = c10::str("outputs[", i, "]"), ia = c10::str("inputs[", i, "]");
+    planAllgatherBase(c, oa.c_str(), outputs[i], ia.c_str(), inputs[i], o, p);
+  }
+  return run(c10d::OpType::COALESCED, c, std::move(p), opts.timeout);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::gather(std::vector<std::vector<at::Tensor>>& outputTensors,
+                                                       std::vector<at::Tensor>& inputTensors,
+                                                       const c10d::GatherOptions& opts) {
+  OpCtx c = ctx("gather");
+  checkRoot(c, opts.rootRank);
+  checkListSize(c, "inputTensors", inputTensors.size(), 1);
+  const at::Tensor& in = inputTensors[0];
+  checkTensor(c, "inputTensors[0]", in);
+  CType ct = moveType(c, "inputTensors[0]", in);
+  int root = static_cast<int>(opts.rootRank);
+  Plan p;
+  at::Tensor flat;
+  std::vector<at::Tensor> outs;
+  if (rank_ == root) {
+    checkListSize(c, "outputTensors", outputTensors.size(), 1);
+    outs = outputTensors[0];
+    checkListSize(c, "outputTensors[0]", outs.size(), static_cast<size_t>(size_));
+    for (int i = 0; i < size_; ++i) {
+      std::string arg = c10::str("outputTensors[0][", i, "]");
+      checkTensor(c, arg.c_str(), outs[i]);
+      checkSameDtype(c, arg.c_str(), outs[i], in, "inputTensors[0]");
+      TORCH_CHECK(outs[i].numel() == in.numel(), "t3d: gather on rank ", rank_, ": argument '", arg, "' has ",
+                  outs[i].numel(), " elements but 'inputTensors[0]' has ", in.numel());
+    }
+    flat = at::empty({in.numel() * size_}, in.options().memory_format(at::MemoryFormat::Contiguous));
+  } else {
+    TORCH_CHECK(outputTensors.empty() || (outputTensors.size() == 1 && outputTensors[0].empty()),
+                "t3d: gather on rank ", rank_, ": argument 'outputTensors' must be empty on non-root ranks (root is ",
+                root, ")");
+  }
+  at::Tensor src = in.contiguous();
+  t3d_comm_t* cm = comm();
+  const void* sb = dataPtr(src);
+  void* rb = flat.defined() ? dataPtr(flat) : nullptr;
+  size_t n = static_cast<size_t>(in.numel()) * ct.scale;
+  t3d_opts_t o = cOpts(opts.timeout);
+  p.issue.push_back([=](t3d_request_t** req) { return t3d_gather(cm, sb, rb, n, ct.dtype, root, &o, req); });
+  p.keep.push_back(src);
+  if (flat.defined()) {
+    p.keep.push_back(flat);
+    int64_t m = in.numel();
+    p.post.push_back([flat, outs, m](WorkT3D&) {
+      for (size_t i = 0; i < outs.size(); ++i) {
+        if (m > 0) outs[i].copy_(flat.narrow(0, static_cast<int64_t>(i) * m, m).view(outs[i].sizes()));
+      }
+    });
+  }
+  p.outputs = outs;
+  return run(c10d::OpType::GATHER, c, std::move(p), opts.timeout);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::scatter(std::vector<at::Tensor>& outputTensors,
+                                                        std::vector<std::vector<at::Tensor>>& inputTensors,
+                                                        const c10d::ScatterOptions& opts) {
+  OpCtx c = ctx("scatter");
+  checkRoot(c, opts.rootRank);
+  checkListSize(c, "outputTensors", outputTensors.size(), 1);
+  const at::Tensor& out = outputTensors[0];
+  checkTensor(c, "outputTensors[0]", out);
+  CType ct = moveType(c, "outputTensors[0]", out);
+  int root = static_cast<int>(opts.rootRank);
+  at::Tensor flat;
+  if (rank_ == root) {
+    checkListSize(c, "inputTensors", inputTensors.size(), 1);
+    const auto& ins = inputTensors[0];
+    checkListSize(c, "inputTensors[0]", ins.size(), static_cast<size_t>(size_));
+    for (int i = 0; i < size_; ++i) {
+      std::string arg = c10::str("inputTensors[0][", i, "]");
+      checkTensor(c, arg.c_str(), ins[i]);
+      checkSameDtype(c, arg.c_str(), ins[i], out, "outputTensors[0]");
+      TORCH_CHECK(ins[i].numel() == out.numel(), "t3d: scatter on rank ", rank_, ": argument '", arg, "' has ",
+                  ins[i].numel(), " elements but 'outputTensors[0]' has ", out.numel());
+    }
+    flat = at::empty({out.numel() * size_}, out.options().memory_format(at::MemoryFormat::Contiguous));
+    for (int i = 0; i < size_; ++i) {
+      if (out.numel() > 0) flat.narrow(0, i * out.numel(), out.numel()).copy_(ins[i].reshape({-1}));
+    }
+  } else {
+    TORCH_CHECK(inputTensors.empty() || (inputTensors.size() == 1 && inputTensors[0].empty()),
+                "t3d: scatter on rank ", rank_, ": argument 'inputTensors' must be empty on non-root ranks (root is ",
+                root, ")");
+  }
+  Staged so = stage(out, false);
+  t3d_comm_t* cm = comm();
+  const void* sb = flat.defined() ? dataPtr(flat) : nullptr;
+  void* rb = dataPtr(so.buf);
+  size_t n = static_cast<size_t>(out.numel()) * ct.scale;
+  t3d_opts_t o = cOpts(opts.timeout);
+  Plan p;
+  p.issue.push_back([=](t3d_request_t** req) { return t3d_scatter(cm, sb, rb, n, ct.dtype, root, &o, req); });
+  if (flat.defined()) p.keep.push_back(flat);
+  p.keep.push_back(so.buf);
+  if (so.staged) p.post.push_back([so](WorkT3D&) { so.copyBack(); });
+  p.outputs.push_back(out);
+  return run(c10d::OpType::SCATTER, c, std::move(p), opts.timeout);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::alltoall_base(at::Tensor& outputBuffer, at::Tensor& inputBuffer,
+                                                              std::vector<int64_t>& outputSplitSizes,
+                                                              std::vector<int64_t>& inputSplitSizes,
+                                                              const c10d::AllToAllOptions& opts) {
+  OpCtx c = ctx("alltoall_base");
+  const at::Tensor& out = outputBuffer;
+  const at::Tensor& in = inputBuffer;
+  checkTensor(c, "outputBuffer", out);
+  checkTensor(c, "inputBuffer", in);
+  checkSameDtype(c, "outputBuffer", out, in, "inputBuffer");
+  CType ct = moveType(c, "inputBuffer", in);
+  Staged si = stage(in, true);
+  Staged so = stage(out, false);
+  t3d_comm_t* cm = comm();
+  const void* sb = dataPtr(si.buf);
+  void* rb = dataPtr(so.buf);
+  t3d_opts_t o = cOpts(opts.timeout);
+  Plan p;
+  if (outputSplitSizes.empty() && inputSplitSizes.empty()) {
+    TORCH_CHECK(in.numel() % size_ == 0, "t3d: alltoall_base on rank ", rank_, ": argument 'inputBuffer' has ",
+                in.numel(), " elements, not divisible by the group size ", size_, " (no split sizes given)");
+    TORCH_CHECK(out.numel() == in.numel(), "t3d: alltoall_base on rank ", rank_, ": argument 'outputBuffer' has ",
+                out.numel(), " elements but 'inputBuffer' has ", in.numel(), " (no split sizes given)");
+    size_t n = static_cast<size_t>(in.numel() / size_) * ct.scale;
+    p.issue.push_back([=](t3d_request_t** req) { return t3d_alltoall(cm, sb, rb, n, ct.dtype, &o, req); });
+  } else {
+    TORCH_CHECK(in.dim() > 0 && out.dim() > 0, "t3d: alltoall_base on rank ", rank_,
+                ": split sizes need tensors with at least one dimension");
+    TORCH_CHECK(rowElems(in) == rowElems(out), "t3d: alltoall_base on rank ", rank_, ": rows of 'inputBuffer' ",
+                shapeStr(in), " and 'outputBuffer' ", shapeStr(out), " differ in size");
+    size_t row = static_cast<size_t>(rowElems(in)) * ct.scale;
+    auto splits = [&](const char* arg, const std::vector<int64_t>& sp, const at::Tensor& t) {
+      std::vector<size_t> counts(size_);
+      if (sp.empty()) {
+        TORCH_CHECK(t.size(0) % size_ == 0, "t3d: alltoall_base on rank ", rank_, ": '", arg,
+                    "' is empty (equal split) but dim 0 of the tensor (", t.size(0),
+                    ") is not divisible by the group size ", size_);
+        std::fill(counts.begin(), counts.end(), static_cast<size_t>(t.size(0) / size_) * row);
+        return counts;
+      }
+      TORCH_CHECK(sp.size() == static_cast<size_t>(size_), "t3d: alltoall_base on rank ", rank_, ": argument '",
+                  arg, "' has ", sp.size(), " entries, expected the group size ", size_);
+      int64_t sum = 0;
+      for (int i = 0; i < size_; ++i) {
+        TORCH_CHECK(sp[i] >= 0, "t3d: alltoall_base on rank ", rank_, ": argument '", arg, "' has a negative entry ",
+                    sp[i], " at ", i);
+        sum += sp[i];
+        counts[i] = static_cast<size_t>(sp[i]) * row;
+      }
+      TORCH_CHECK(sum == t.size(0), "t3d: alltoall_base on rank ", rank_, ": argument '", arg, "' sums to ", sum,
+                  " but dim 0 of the tensor is ", t.size(0));
+      return counts;
+    };
+    std::vector<size_t> sc = splits("inputSplitSizes", inputSplitSizes, in);
+    std::vector<size_t> rc = splits("outputSplitSizes", outputSplitSizes, out);
+    std::vector<size_t> sd = prefixSums(sc), rd = prefixSums(rc);
+    p.issue.push_back([=](t3d_request_t** req) {
+      return t3d_alltoallv(cm, sb, sc.data(), sd.data(), rb, rc.data(), rd.data(), ct.dtype, &o, req);
+    });
+  }
+  p.keep.push_back(si.buf);
+  p.keep.push_back(so.buf);
+  if (so.staged) p.post.push_back([so](WorkT3D&) { so.copyBack(); });
+  p.outputs.push_back(out);
+  return run(c10d::OpType::ALLTOALL_BASE, c, std::move(p), opts.timeout);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::alltoall(std::vector<at::Tensor>& outputTensors,
+                                                         std::vector<at::Tensor>& inputTensors,
+                                                         const c10d::AllToAllOptions& opts) {
+  OpCtx c = ctx("alltoall");
+  checkListSize(c, "outputTensors", outputTensors.size(), static_cast<size_t>(size_));
+  checkListSize(c, "inputTensors", inputTensors.size(), static_cast<size_t>(size_));
+  checkTensor(c, "inputTensors[0]", inputTensors[0]);
+  const at::Tensor& ref = inputTensors[0];
+  CType ct = moveType(c, "inputTensors[0]", ref);
+  std::vector<size_t> sn(size_), rn(size_);
+  for (int i = 0; i < size_; ++i) {
+    std::string ia = c10::str("inputTensors[", i, "]"), oa = c10::str("outputTensors[", i, "]");
+    checkTensor(c, ia.c_str(), inputTensors[i]);
+    checkTensor(c, oa.c_str(), outputTensors[i]);
+    checkSameDtype(c, ia.c_str(), inputTensors[i], ref, "inputTensors[0]");
+    checkSameDtype(c, oa.c_str(), outputTensors[i], ref, "inputTensors[0]");
+    sn[i] = static_cast<size_t>(inputTensors[i].numel());
+    rn[i] = static_cast<size_t>(outputTensors[i].numel());
+  }
+  std::vector<size_t> sd = prefixSums(sn), rd = prefixSums(rn);
+  auto opt = ref.options().memory_format(at::MemoryFormat::Contiguous);
+  at::Tensor sflat = at::empty({static_cast<int64_t>(sd.back() + sn.back())}, opt);
+  at::Tensor rflat = at::empty({static_cast<int64_t>(rd.back() + rn.back())}, opt);
+  for (int i = 0; i < size_; ++i) {
+    if (sn[i] > 0) sflat.narrow(0, sd[i], sn[i]).copy_(inputTensors[i].reshape({-1}));
+  }
+  std::vector<size_t> sc(size_), scd(size_), rc(size_), rcd(size_);
+  for (int i = 0; i < size_; ++i) {
+    sc[i] = sn[i] * ct.scale;
+    scd[i] = sd[i] * ct.scale;
+    rc[i] = rn[i] * ct.scale;
+    rcd[i] = rd[i] * ct.scale;
+  }
+  t3d_comm_t* cm = comm();
+  const void* sb = dataPtr(sflat);
+  void* rb = dataPtr(rflat);
+  t3d_opts_t o = cOpts(opts.timeout);
+  Plan p;
+  p.issue.push_back([=](t3d_request_t** req) {
+    return t3d_alltoallv(cm, sb, sc.data(), scd.data(), rb, rc.data(), rcd.data(), ct.dtype, &o, req);
+  });
+  p.keep.push_back(sflat);
+  p.keep.push_back(rflat);
+  std::vector<at::Tensor> outs = outputTensors;
+  p.post.push_back([rflat, outs, rn, rd](WorkT3D&) {
+    for (size_t i = 0; i < outs.size(); ++i) {
+      if (rn[i] > 0) outs[i].copy_(rflat.narrow(0, rd[i], rn[i]).view(outs[i].sizes()));
+    }
+  });
+  p.outputs = outs;
+  return run(c10d::OpType::ALLTOALL, c, std::move(p), opts.timeout);
+}
+
+// ---- point-to-point ---------------------------------------------------------------------------------------------
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::send(std::vector<at::Tensor>& tensors, int dstRank, int tag) {
+  OpCtx c = ctx("send");
+  checkListSize(c, "tensors", tensors.size(), 1);
+  checkPeer(c, "dstRank", dstRank);
+  TORCH_CHECK(tag >= 0 && tag <= T3D_MAX_TAG, "t3d: send on rank ", rank_, ": tag ", tag, " is outside [0, ",
+              T3D_MAX_TAG, "]");
+  const at::Tensor& t = tensors[0];
+  checkTensor(c, "tensors[0]", t);
+  CType ct = moveType(c, "tensors[0]", t);
+  at::Tensor src = t.contiguous();
+  t3d_comm_t* cm = comm();
+  const void* sb = dataPtr(src);
+  size_t n = static_cast<size_t>(t.numel()) * ct.scale;
+  t3d_opts_t o = cOpts(c10d::kUnsetTimeout);
+  Plan p;
+  p.issue.push_back([=](t3d_request_t** req) { return t3d_send(cm, sb, n, ct.dtype, dstRank, tag, &o, req); });
+  p.keep.push_back(src);
+  return run(c10d::OpType::SEND, c, std::move(p), c10d::kUnsetTimeout);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
+  OpCtx c = ctx("recv");
+  checkListSize(c, "tensors", tensors.size(), 1);
+  TORCH_CHECK(srcRank == T3D_ANY_SOURCE || (srcRank >= 0 && srcRank < size_), "t3d: recv on rank ", rank_,
+              ": srcRank ", srcRank, " is outside the group of size ", size_);
+  TORCH_CHECK(tag >= 0 && tag <= T3D_MAX_TAG, "t3d: recv on rank ", rank_, ": tag ", tag, " is outside [0, ",
+              T3D_MAX_TAG, "]");
+  const at::Tensor& t = tensors[0];
+  checkTensor(c, "tensors[0]", t);
+  CType ct = moveType(c, "tensors[0]", t);
+  Staged s = stage(t, false);
+  t3d_comm_t* cm = comm();
+  void* rb = dataPtr(s.buf);
+  size_t n = static_cast<size_t>(t.numel()) * ct.scale;
+  t3d_opts_t o = cOpts(c10d::kUnsetTimeout);
+  int rank = rank_;
+  Plan p;
+  p.issue.push_back([=](t3d_request_t** req) { return t3d_recv(cm, rb, n, ct.dtype, srcRank, tag, &o, req); });
+  p.keep.push_back(s.buf);
+  p.post.push_back([s, n, rank](WorkT3D& w) {
+    size_t got = t3d_request_count(w.request());
+    TORCH_CHECK(got == n, "t3d: recv on rank ", rank, ": got ", got, " elements from rank ",
+                t3d_request_source(w.request()), " but 'tensors[0]' ", shapeStr(s.user), " expects ", n);
+    s.copyBack();
+  });
+  p.outputs.push_back(t);
+  return run(srcRank == T3D_ANY_SOURCE ? c10d::OpType::RECVANYSOURCE : c10d::OpType::RECV, c, std::move(p),
+             c10d::kUnsetTimeout);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
+  return recv(tensors, T3D_ANY_SOURCE, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::barrier(const c10d::BarrierOptions& opts) {
+  OpCtx c = ctx("barrier");
+  t3d_comm_t* cm = comm();
+  t3d_opts_t o = cOpts(opts.timeout);
+  Plan p;
+  p.issue.push_back([=](t3d_request_t** req) { return t3d_barrier(cm, &o, req); });
+  return run(c10d::OpType::BARRIER, c, std::move(p), opts.timeout);
+}
+
+void ProcessGroupT3D::monitoredBarrier(const c10d::BarrierOptions& opts, bool /*waitAllRanks*/) {
+  // t3d's own timeout error already names the ranks that did not arrive.
+  barrier(opts)->wait(opts.timeout.count() > 0 ? opts.timeout : timeout_);
+}
+
+// ---- group management -------------------------------------------------------------------------------------------
+
+void ProcessGroupT3D::setSequenceNumberForGroup() {
+  seq_ = 0;
+}
+
+uint64_t ProcessGroupT3D::getSequenceNumberForGroup() {
+  return seq_;
+}
+
+c10::intrusive_ptr<c10d::Backend> ProcessGroupT3D::split(const c10::intrusive_ptr<c10d::Store>& /*store*/,
+                                                         const std::vector<int>& ranks,
+                                                         const c10::intrusive_ptr<Options>& opts) {
+  OpCtx c = ctx("split");
+  // torch's ProcessGroup::splitGroup calls split once per device type, and this one backend serves them all: the
+  // repeated call (same name and ranks) gets the same child, or a second communicator would be made and at once
+  // dropped by ProcessGroup::setBackend while peers still connect to it. Every rank repeats the same way.
+  std::string want_name = opts ? opts->group_name : std::string();
+  if (lastSplit_ && lastSplit_->name == want_name && lastSplit_->ranks == ranks) {
+    auto again = lastSplit_->backend;
+    lastSplit_.reset();
+    return again;
+  }
+  lastSplit_.reset();
+  // Collective over this whole group: ranks outside `ranks` take part with no color and get no backend.
+  auto it = std::find(ranks.begin(), ranks.end(), rank_);
+  int color = T3D_SPLIT_NOCOLOR;
+  int key = 0;
+  if (it != ranks.end()) {
+    color = *std::min_element(ranks.begin(), ranks.end());
+    key = static_cast<int>(it - ranks.begin());
+  }
+  std::chrono::milliseconds timeout = opts ? opts->timeout : timeout_;
+  std::string name = (opts && !opts->group_name.empty()) ? opts->group_name : c10::str(groupName_, ":split");
+  // Each split of this group gets its own key namespace (the counter is in step on every rank).
+  std::string prefix = c10::str("t3d/", groupName_, "/split", splitCount_++, "/", color);
+  t3d_config_t cfg;
+  t3d_config_init(&cfg);
+  cfg.timeout_ms = timeout.count() > 0 ? timeout.count() : 0;
+  cfg.name = name.c_str();
+  cfg.key_prefix = prefix.c_str();
+  t3d_comm_t* child = nullptr;
+  check(c, t3d_comm_split(comm(), color, key, &cfg, &child), "t3d_comm_split");
+  c10::intrusive_ptr<c10d::Backend> result;
+  if (child != nullptr) {
+    std::vector<int64_t> global;
+    for (int r : ranks) global.push_back(globalRanks_.empty() ? r : globalRanks_.at(r));
+    result = c10::make_intrusive<ProcessGroupT3D>(store_, std::make_shared<CommHandle>(child), t3d_comm_rank(child),
+                                                  t3d_comm_size(child), timeout, name, std::move(global));
+  }
+  lastSplit_ = std::make_unique<SplitMemo>(SplitMemo{want_name, ranks, result});
+  return result;
+}
+
+c10d::ErrorType ProcessGroupT3D::getError() {
+  if (comm_->state != CommHandle::kAlive) return c10d::ErrorType::COMM_ERROR;
+  switch (t3d_comm_status(comm_->comm)) {
+    case T3D_OK: return c10d::ErrorType::SUCCESS;
+    case T3D_ERR_TIMEOUT: return c10d::ErrorType::TIMEOUT;
+    case T3D_ERR_PEER_LOST: return c10d::ErrorType::REMOTE_ERROR;
+    default: return c10d::ErrorType::COMM_ERROR;
+  }
+}
+
+void ProcessGroupT3D::abort() {
+  comm_->abort();
+}
+
+void ProcessGroupT3D::shutdown() {
+  comm_->destroy();
+}
+
+std::string ProcessGroupT3D::transport() const {
+  if (comm_->state != CommHandle::kAlive) return "";
+  const char* t = t3d_comm_transport(comm_->comm);
+  return t ? t : "";
+}
+
+}  // namespace t3d_shim

@@ -1,0 +1,168 @@
+// ProcessGroupT3D: the c10d::Backend of t3d. One instance serves cpu and cuda tensors and routes by device; every
+// collective validates its tensors, hands (pointer, count, dtype) to the C library and returns a WorkT3D.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "store_adapter.hpp"
+#include "tensor_args.hpp"
+#include "work_t3d.hpp"
+
+namespace t3d_shim {
+
+class ProcessGroupT3D : public c10d::Backend {
+ public:
+  // Collective over the `size` ranks sharing `store`: builds the t3d communicator.
+  static c10::intrusive_ptr<ProcessGroupT3D> create(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                                                    std::chrono::milliseconds timeout, const std::string& groupName,
+                                                    const std::vector<int64_t>& globalRanks);
+
+  ProcessGroupT3D(std::shared_ptr<StoreAdapter> store, std::shared_ptr<CommHandle> comm, int rank, int size,
+                  std::chrono::milliseconds timeout, std::string groupName, std::vector<int64_t> globalRanks);
+  ~ProcessGroupT3D() override;
+
+  const std::string getBackendName() const override {
+    return "t3d";
+  }
+  c10::intrusive_ptr<Options> getBackendOptions() override;
+  bool supportsSplitting() const override {
+    return true;
+  }
+  bool supportsCoalescing() const override {
+    return true;
+  }
+  void setTimeout(std::chrono::milliseconds timeout) override;
+  void startCoalescing() override;
+  c10::intrusive_ptr<c10d::Work> endCoalescing() override;
+
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts = c10d::BroadcastOptions()) override;
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts = c10d::AllreduceOptions()) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
+      std::vector<at::Tensor>& tensors,
+      const c10d::AllreduceCoalescedOptions& opts = c10d::AllreduceCoalescedOptions()) override;
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,
+                                        const c10d::ReduceOptions& opts = c10d::ReduceOptions()) override;
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputTensors,
+                                           std::vector<at::Tensor>& inputTensors,
+                                           const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& outputBuffer, at::Tensor& inputBuffer,
+                                                 const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(
+      std::vector<std::vector<at::Tensor>>& outputTensorLists, std::vector<at::Tensor>& inputTensors,
+      const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputTensors,
+                                        std::vector<at::Tensor>& inputTensors,
+                                        const c10d::GatherOptions& opts = c10d::GatherOptions()) override;
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputTensors,
+                                         std::vector<std::vector<at::Tensor>>& inputTensors,
+                                         const c10d::ScatterOptions& opts = c10d::ScatterOptions()) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(
+      std::vector<at::Tensor>& outputTensors, std::vector<std::vector<at::Tensor>>& inputTensors,
+      const c10d::ReduceScatterOptions& opts = c10d::ReduceScatterOptions()) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
+      at::Tensor& outputBuffer, at::Tensor& inputBuffer,
+      const c10d::ReduceScatterOptions& opts = c10d::ReduceScatterOptions()) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::ReduceScatterOptions& opts = c10d::ReduceScatterOptions()) override;
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& outputBuffer, at::Tensor& inputBuffer,
+                                               std::vector<int64_t>& outputSplitSizes,
+                                               std::vector<int64_t>& inputSplitSizes,
+                                               const c10d::AllToAllOptions& opts = c10d::AllToAllOptions()) override;
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputTensors,
+                                          std::vector<at::Tensor>& inputTensors,
+                                          const c10d::AllToAllOptions& opts = c10d::AllToAllOptions()) override;
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dstRank, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts = c10d::BarrierOptions()) override;
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks = false) override;
+
+  void setSequenceNumberForGroup() override;
+  uint64_t getSequenceNumberForGroup() override;
+
+  c10::intrusive_ptr<c10d::Backend> split(const c10::intrusive_ptr<c10d::Store>& store, const std::vector<int>& ranks,
+                                          const c10::intrusive_ptr<Options>& opts) override;
+  c10d::ErrorType getError() override;
+  void abort() override;
+  void shutdown() override;
+
+  // For t3d._C introspection.
+  std::string transport() const;
+  const std::string& groupName() const {
+    return groupName_;
+  }
+
+ private:
+  using Issuer = std::function<t3d_result_t(t3d_request_t**)>;
+  // What one c10d call turns into: C operations to issue (several run as one t3d group), tensors to keep alive,
+  // steps to run after success, and the tensors the future carries.
+  struct Plan {
+    std::vector<Issuer> issue;
+    std::vector<at::Tensor> keep;
+    std::vector<std::function<void(WorkT3D&)>> post;
+    std::vector<at::Tensor> outputs;
+  };
+  struct Rop {
+    t3d_redop_t op;
+    double premul;
+  };
+
+  OpCtx ctx(const char* op) const {
+    return OpCtx{op, rank_};
+  }
+  t3d_comm_t* comm() const;
+  int64_t timeoutMs(std::chrono::milliseconds t) const;
+  t3d_opts_t cOpts(std::chrono::milliseconds t, double premul = 1.0) const;
+  [[noreturn]] void fail(const OpCtx& c, t3d_result_t r, const char* what) const;
+  void check(const OpCtx& c, t3d_result_t r, const char* what) const {
+    if (r != T3D_OK && r != T3D_IN_PROGRESS) fail(c, r, what);
+  }
+  void checkRoot(const OpCtx& c, int64_t root) const;
+  void checkPeer(const OpCtx& c, const char* arg, int peer) const;
+  Rop rop(const OpCtx& c, const c10d::ReduceOp& op) const;
+
+  // Validation and staging for one operation; they append to a Plan and issue nothing.
+  void planAllreduce(const OpCtx& c, const char* arg, const at::Tensor& t, Rop r, const t3d_opts_t& o, Plan& p);
+  void planAllgatherList(const OpCtx& c, const char* outArg, const std::vector<at::Tensor>& outs, const char* inArg,
+                         const at::Tensor& in, const t3d_opts_t& o, Plan& p);
+  void planAllgatherBase(const OpCtx& c, const char* outArg, const at::Tensor& out, const char* inArg,
+                         const at::Tensor& in, const t3d_opts_t& o, Plan& p);
+  void planReduceScatterList(const OpCtx& c, const at::Tensor& out, const std::vector<at::Tensor>& ins, Rop r,
+                             const t3d_opts_t& o, Plan& p);
+  void planReduceScatterBase(const OpCtx& c, const char* outArg, const at::Tensor& out, const char* inArg,
+                             const at::Tensor& in, Rop r, const t3d_opts_t& o, Plan& p);
+  // Issues the plan and wraps it in an armed work.
+  c10::intrusive_ptr<c10d::Work> run(c10d::OpType type, const OpCtx& c, Plan&& p, std::chrono::milliseconds timeout);
+
+  std::shared_ptr<StoreAdapter> store_;
+  std::shared_ptr<CommHandle> comm_;
+  std::chrono::milliseconds timeout_;
+  std::string groupName_;
+  std::vector<int64_t> globalRanks_;
+  uint64_t seq_ = 0;
+  uint64_t splitCount_ = 0;
+  // The last split, handed out again when torch repeats the call for its next device type.
+  struct SplitMemo {
+    std::string name;
+    std::vector<int> ranks;
+    c10::intrusive_ptr<c10d::Backend> backend;
+  };
+  std::unique_ptr<SplitMemo> lastSplit_;
+  bool coalescing_ = false;
+  std::vector<c10::intrusive_ptr<WorkT3D>> coalesced_;
+};
+
+}  // namespace t3d_shim

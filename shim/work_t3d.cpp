@@ -1,0 +1,237 @@
+// WorkT3D completion: t3d's progress thread calls onRequestDone, which runs the post step (copy-back), marks the
+// work complete and, when someone holds the future, completes the future on an inter-op thread (user callbacks
+// attached with then() may block on further collectives, which must not stall the progress thread).
+#include "work_t3d.hpp"
+
+#include <ATen/Parallel.h>
+#include <ATen/core/jit_type.h>
+#include <c10/util/Exception.h>
+
+#include <sstream>
+
+namespace t3d_shim {
+
+namespace {
+// Slack on top of the operation's own timeout, so that the C library's timeout (whose message names the ranks that
+// did not arrive) normally wins over the shim's.
+constexpr int64_t kWaitGraceMs = 5000;
+}  // namespace
+
+CommHandle::~CommHandle() {
+  destroy();
+}
+
+void CommHandle::freeRequest(t3d_request_t* req) {
+  std::lock_guard<std::mutex> lk(mu);
+  if (state == kAlive) t3d_request_free(req);
+}
+
+void CommHandle::abort() {
+  std::lock_guard<std::mutex> lk(mu);
+  if (state != kDead && comm != nullptr) t3d_comm_abort(comm);
+}
+
+void CommHandle::destroy() {
+  {
+    std::lock_guard<std::mutex> lk(mu);
+    if (state != kAlive || comm == nullptr) return;
+    state = kDestroying;
+  }
+  t3d_comm_destroy(comm);
+  std::lock_guard<std::mutex> lk(mu);
+  state = kDead;
+}
+
+WorkT3D::WorkT3D(std::shared_ptr<CommHandle> comm, int rank, c10d::OpType type, const char* opName,
+                 std::string group, uint64_t seq, int64_t timeoutMs, std::vector<at::Tensor> outputs)
+    : Work(rank, type, (std::string("t3d:") + opName).c_str()),
+      comm_(std::move(comm)),
+      seq_(seq),
+      timeoutMs_(timeoutMs),
+      outputs_(std::move(outputs)) {
+  std::ostringstream os;
+  os << opName << " #" << seq << " on rank " << rank << " of group '" << group << "'";
+  desc_ = os.str();
+  future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
+}
+
+WorkT3D::~WorkT3D() {
+  if (req_ != nullptr && comm_) comm_->freeRequest(req_);
+}
+
+void WorkT3D::arm() {
+  TORCH_INTERNAL_ASSERT(req_ != nullptr, "t3d: arm() without a request");
+  // The callback owns one reference until it has run.
+  WorkT3D* ref = c10::intrusive_ptr<WorkT3D>::unsafe_reclaim_from_nonowning(this).release();
+  t3d_result_t r = t3d_request_set_callback(req_, &WorkT3D::onRequestDone, ref);
+  if (r != T3D_OK) {
+    c10::intrusive_ptr<WorkT3D>::reclaim(ref);
+    C10_THROW_ERROR(DistBackendError,
+                    c10::str("t3d: ", desc_, ": cannot register the completion callback: ", t3d_result_string(r)));
+  }
+}
+
+void WorkT3D::dependOn(const c10::intrusive_ptr<WorkT3D>& member) {
+  std::unique_lock<std::mutex> ml(member->mutex_);
+  if (member->completed_) {
+    std::exception_ptr e = member->exception_;
+    ml.unlock();
+    if (e) {
+      std::lock_guard<std::mutex> lk(mutex_);
+      if (!firstError_) firstError_ = e;
+    }
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lk(mutex_);
+    ++pending_;
+  }
+  member->parents_.push_back(c10::intrusive_ptr<WorkT3D>::unsafe_reclaim_from_nonowning(this));
+}
+
+void WorkT3D::onRequestDone(void* arg, t3d_result_t res) {
+  auto self = c10::intrusive_ptr<WorkT3D>::reclaim(static_cast<WorkT3D*>(arg));
+  try {
+    self->requestDone(res);
+  } catch (const std::exception& e) {
+    // Nothing may unwind into C; requestDone only throws on allocation failure.
+    LOG(ERROR) << "t3d: completion of " << self->desc_ << " failed: " << e.what();
+  }
+}
+
+void WorkT3D::requestDone(t3d_result_t res) {
+  std::exception_ptr err;
+  if (res == T3D_OK) {
+    if (opType_ == c10d::OpType::RECV || opType_ == c10d::OpType::RECVANYSOURCE) {
+      std::lock_guard<std::mutex> lk(mutex_);
+      sourceRank_ = t3d_request_source(req_);
+    }
+    if (post_) {
+      try {
+        post_(*this);
+      } catch (...) {
+        err = std::current_exception();
+      }
+    }
+  } else {
+    err = makeError(res, t3d_request_error(req_));
+  }
+  dependencyDone(err);
+}
+
+void WorkT3D::dependencyDone(std::exception_ptr err) {
+  std::exception_ptr final;
+  {
+    std::lock_guard<std::mutex> lk(mutex_);
+    if (err && !firstError_) firstError_ = err;
+    if (--pending_ > 0) return;
+    final = firstError_;
+  }
+  complete(final);
+}
+
+void WorkT3D::complete(std::exception_ptr err) {
+  std::function<void()> recordEnd;
+  std::vector<c10::intrusive_ptr<WorkT3D>> parents;
+  bool wantFuture;
+  // Staging buffers and inputs are no longer needed; outputs stay for result() and the future.
+  post_ = nullptr;
+  keep_.clear();
+  {
+    std::lock_guard<std::mutex> lk(mutex_);
+    completed_ = true;
+    exception_ = err;
+    wantFuture = futureWanted_;
+    recordEnd = std::move(recordFunctionEndCallback_);
+    recordFunctionEndCallback_ = nullptr;
+    parents.swap(parents_);
+  }
+  if (recordEnd) recordEnd();
+  cv_.notify_all();
+  for (auto& p : parents) p->dependencyDone(err);
+  if (wantFuture) {
+    auto self = c10::intrusive_ptr<WorkT3D>::unsafe_reclaim_from_nonowning(this);
+    at::launch([self]() { self->markFuture(); });
+  }
+}
+
+void WorkT3D::markFuture() {
+  if (futureMarked_.exchange(true)) return;
+  std::exception_ptr e;
+  {
+    std::lock_guard<std::mutex> lk(mutex_);
+    e = exception_;
+  }
+  if (e) {
+    future_->setError(e);
+  } else {
+    future_->markCompleted(c10::IValue(outputs_));
+  }
+}
+
+std::exception_ptr WorkT3D::makeError(t3d_result_t res, const char* detail) const {
+  std::string msg = c10::str("t3d: ", desc_, " failed: ", t3d_result_string(res));
+  if (detail != nullptr && detail[0] != '\0') msg += c10::str(": ", detail);
+  try {
+    C10_THROW_ERROR(DistBackendError, msg);
+  } catch (...) {
+    return std::current_exception();
+  }
+}
+
+bool WorkT3D::isCompleted() {
+  std::lock_guard<std::mutex> lk(mutex_);
+  return completed_;
+}
+
+bool WorkT3D::isSuccess() const {
+  std::lock_guard<std::mutex> lk(mutex_);
+  return !exception_;
+}
+
+std::exception_ptr WorkT3D::exception() const {
+  std::lock_guard<std::mutex> lk(mutex_);
+  return exception_;
+}
+
+int WorkT3D::sourceRank() const {
+  std::lock_guard<std::mutex> lk(mutex_);
+  TORCH_CHECK(opType_ == c10d::OpType::RECV || opType_ == c10d::OpType::RECVANYSOURCE,
+              "t3d: sourceRank() is only defined for receives, not for ", desc_);
+  TORCH_CHECK(completed_, "t3d: sourceRank() of ", desc_, " before it completed");
+  return sourceRank_;
+}
+
+std::vector<at::Tensor> WorkT3D::result() {
+  return outputs_;
+}
+
+bool WorkT3D::wait(std::chrono::milliseconds timeout) {
+  int64_t ms = timeout == kNoTimeout ? timeoutMs_ + kWaitGraceMs : timeout.count();
+  std::unique_lock<std::mutex> lk(mutex_);
+  bool done = cv_.wait_for(lk, std::chrono::milliseconds(ms), [this] { return completed_; });
+  if (!done) {
+    lk.unlock();
+    C10_THROW_ERROR(DistBackendError, c10::str("t3d: wait timed out after ", ms, " ms: ", desc_,
+                                               " has not completed (it keeps running; abort the group to stop it)"));
+  }
+  if (exception_) std::rethrow_exception(exception_);
+  return true;
+}
+
+void WorkT3D::abort() {
+  if (comm_) comm_->abort();
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> WorkT3D::getFuture() {
+  bool done;
+  {
+    std::lock_guard<std::mutex> lk(mutex_);
+    futureWanted_ = true;
+    done = completed_;
+  }
+  if (done) markFuture();
+  return future_;
+}
+
+}  // namespace t3d_shim

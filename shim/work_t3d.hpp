@@ -1,0 +1,112 @@
+// WorkT3D: a c10d::Work over one t3d request (or a coalesced group of them), with a real ivalue::Future.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <ATen/core/ivalue.h>
+
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+extern "C" {
+#include "t3d.h"
+}
+
+namespace t3d_shim {
+
+// The communicator shared by a backend and its works. destroy() runs on the user's thread and does not hold the lock
+// while t3d_comm_destroy drains the queue (whose callbacks free requests), so it cannot deadlock with them; a work
+// freed or aborted once destruction has begun leaves the communicator alone (t3d releases its requests itself).
+struct CommHandle {
+  enum State { kAlive, kDestroying, kDead };
+  t3d_comm_t* comm = nullptr;
+  std::mutex mu;
+  State state = kAlive;
+
+  explicit CommHandle(t3d_comm_t* c) : comm(c) {}
+  ~CommHandle();
+  // Frees a request unless the communicator is gone (then t3d released it) or being torn down right now.
+  void freeRequest(t3d_request_t* req);
+  void abort();
+  void destroy();
+};
+
+class WorkT3D : public c10d::Work {
+ public:
+  WorkT3D(std::shared_ptr<CommHandle> comm, int rank, c10d::OpType type, const char* opName, std::string group,
+          uint64_t seq, int64_t timeoutMs, std::vector<at::Tensor> outputs);
+  ~WorkT3D() override;
+
+  // Setup, before arm(): the request this work completes with (owned), tensors to keep alive until completion,
+  // and work to do on success before the work counts as complete (copy-back, unflattening). `post` may throw.
+  void setRequest(t3d_request_t* req) {
+    req_ = req;
+  }
+  void keepAlive(const at::Tensor& t) {
+    keep_.push_back(t);
+  }
+  void setPost(std::function<void(WorkT3D&)> post) {
+    post_ = std::move(post);
+  }
+  // Registers the completion callback. The callback holds a reference, so the work lives until it has run.
+  void arm();
+  // A group work (endCoalescing) completes only after its own request and every member work still pending. Call
+  // before arm().
+  void dependOn(const c10::intrusive_ptr<WorkT3D>& member);
+
+  t3d_request_t* request() const {
+    return req_;
+  }
+  const std::vector<at::Tensor>& outputs() const {
+    return outputs_;
+  }
+  const std::string& describe() const {
+    return desc_;
+  }
+
+  bool isCompleted() override;
+  bool isSuccess() const override;
+  std::exception_ptr exception() const override;
+  int sourceRank() const override;
+  std::vector<at::Tensor> result() override;
+  void synchronize() override {}
+  bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
+  void abort() override;
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
+  uint64_t getSequencenumber() const override {
+    return seq_;
+  }
+
+ private:
+  static void onRequestDone(void* arg, t3d_result_t res);
+  void requestDone(t3d_result_t res);
+  // One dependency (own request or member work) finished; the last one completes the work.
+  void dependencyDone(std::exception_ptr err);
+  void complete(std::exception_ptr err);
+  void markFuture();
+  std::exception_ptr makeError(t3d_result_t res, const char* detail) const;
+
+  std::shared_ptr<CommHandle> comm_;
+  t3d_request_t* req_ = nullptr;
+  std::string desc_;  // "allreduce #12 on rank 3 of group '0'"
+  uint64_t seq_;
+  int64_t timeoutMs_;
+  std::vector<at::Tensor> outputs_;
+  std::vector<at::Tensor> keep_;
+  std::function<void(WorkT3D&)> post_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+
+  // Guarded by Work::mutex_ (as are completed_ and exception_).
+  bool futureWanted_ = false;
+  int sourceRank_ = -1;
+  int pending_ = 1;
+  std::exception_ptr firstError_;
+  std::vector<c10::intrusive_ptr<WorkT3D>> parents_;
+  std::atomic<bool> futureMarked_{false};
+};
+
+}  // namespace t3d_shim
