@@ -339,10 +339,14 @@ t3d_result_t t3d__waitall(t3d_exec_t *ex, t3d_xfer_t *xs, int n) {
     char ranks[256] = "";
     size_t len = 0;
     for (int i = 0; i < n; i++) {
-      if (atomic_load_explicit(&xs[i].done, memory_order_acquire) || len + 16 >= sizeof ranks) continue;
-      len += (size_t)snprintf(ranks + len, sizeof ranks - len, "%s%d", len ? ", " : "", xs[i].peer);
-      c->tp->cancel(c->tp_state, &xs[i]);
+      if (atomic_load_explicit(&xs[i].done, memory_order_acquire)) continue;
+      int seen = 0;
+      for (int j = 0; j < i; j++) seen |= xs[j].peer == xs[i].peer && !atomic_load(&xs[j].done);
+      if (!seen && len + 16 < sizeof ranks) {
+        len += (size_t)snprintf(ranks + len, sizeof ranks - len, "%s%d", len ? ", " : "", xs[i].peer);
+      }
     }
+    for (int i = 0; i < n; i++) c->tp->cancel(c->tp_state, &xs[i]);
     snprintf(ex->error, sizeof ex->error,
              "t3d: %s #%llu on group '%s' (rank %d of %d) %s (timeout %lld ms); still waiting for rank(s) %s", ex->opname,
              (unsigned long long)ex->seq, c->name, ex->rank, ex->size, fail_verb(res), (long long)ex->timeout_ms,
@@ -351,6 +355,8 @@ t3d_result_t t3d__waitall(t3d_exec_t *ex, t3d_xfer_t *xs, int n) {
     for (int i = 0; i < n; i++) {
       if (xs[i].status != T3D_OK) {
         res = xs[i].status;
+        /* A dying peer shows up as whatever the transport saw first; say what happened. */
+        if (res == T3D_ERR_TRANSPORT && c->tp->peer_lost(c->tp_state, xs[i].peer)) res = T3D_ERR_PEER_LOST;
         snprintf(ex->error, sizeof ex->error, "t3d: %s #%llu on group '%s' (rank %d of %d): transfer with rank %d: %s",
                  ex->opname, (unsigned long long)ex->seq, c->name, ex->rank, ex->size, xs[i].peer,
                  t3d_result_string(res));

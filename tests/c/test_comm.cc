@@ -1,0 +1,503 @@
+// test_comm.cc: communicator life cycle: init and its failures, split, two communicators used concurrently, argument
+// checking with named errors, operation timeouts, and abort from another thread.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cctype>
+#include <chrono>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "harness.h"
+
+using namespace t3dtest;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+int64_t MsSince(Clock::time_point t) {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t).count();
+}
+
+// Whether text names rank r: the word "rank" followed, within a few tokens, by r as a whole number.
+bool MentionsRank(const std::string &text, int r) {
+  const std::string num = std::to_string(r);
+  std::string lower(text);
+  for (char &c : lower) c = static_cast<char>(tolower(static_cast<unsigned char>(c)));
+  for (size_t at = lower.find("rank"); at != std::string::npos; at = lower.find("rank", at + 1)) {
+    const size_t end = std::min(lower.size(), at + 24);
+    for (size_t i = at + 4; i + num.size() <= end; ++i) {
+      if (lower.compare(i, num.size(), num) != 0) continue;
+      const bool left_ok = !isdigit(static_cast<unsigned char>(lower[i - 1]));
+      const bool right_ok = i + num.size() == lower.size() || !isdigit(static_cast<unsigned char>(lower[i + num.size()]));
+      if (left_ok && right_ok) return true;
+    }
+  }
+  return false;
+}
+
+TEST(CommHelpers, MentionsRank) {
+  EXPECT_TRUE(MentionsRank("still waiting for rank(s) 1", 1));
+  EXPECT_TRUE(MentionsRank("on rank 3 of group", 3));
+  EXPECT_FALSE(MentionsRank("on rank 13 of group", 3));
+  EXPECT_FALSE(MentionsRank("no such word 1", 1));
+}
+
+// ---------- init ----------
+
+TEST(Comm, BasicProperties) {
+  for (int n : {1, 3}) {
+    RunRanks(n, [n](int rank, t3d_comm_t *comm) {
+      EXPECT_EQ(t3d_comm_rank(comm), rank);
+      EXPECT_EQ(t3d_comm_size(comm), n);
+      EXPECT_EQ(t3d_comm_status(comm), T3D_OK);
+      ASSERT_NE(t3d_comm_last_error(comm), nullptr);
+      EXPECT_STREQ(t3d_comm_last_error(comm), "");
+      ASSERT_NE(t3d_comm_transport(comm), nullptr);
+      EXPECT_STRNE(t3d_comm_transport(comm), "");
+    });
+  }
+}
+
+TEST(Comm, ConfigDefaults) {
+  t3d_config_t cfg;
+  memset(&cfg, 0x7f, sizeof cfg);
+  t3d_config_init(&cfg);
+  EXPECT_EQ(cfg.name, nullptr);
+  EXPECT_EQ(cfg.key_prefix, nullptr);
+  EXPECT_EQ(cfg.transport, nullptr);
+  EXPECT_LE(cfg.timeout_ms, 0);
+}
+
+TEST(Comm, InitBadArguments) {
+  MemStore store;
+  t3d_config_t cfg;
+  t3d_config_init(&cfg);
+  cfg.timeout_ms = 1000;
+  t3d_comm_t *comm = nullptr;
+  EXPECT_EQ(t3d_comm_init(&comm, 0, 2, nullptr, &cfg), T3D_ERR_INVALID_ARG);
+  EXPECT_EQ(t3d_comm_init(&comm, 2, 2, store.store(), &cfg), T3D_ERR_INVALID_ARG);
+  EXPECT_EQ(t3d_comm_init(&comm, -1, 2, store.store(), &cfg), T3D_ERR_INVALID_ARG);
+  EXPECT_EQ(t3d_comm_init(&comm, 0, 0, store.store(), &cfg), T3D_ERR_INVALID_ARG);
+  EXPECT_EQ(t3d_comm_init(nullptr, 0, 1, store.store(), &cfg), T3D_ERR_INVALID_ARG);
+  EXPECT_EQ(comm, nullptr);
+}
+
+// One of two ranks never shows up: init gives up after the configured timeout instead of hanging.
+TEST(Comm, InitTimesOutWhenAPeerIsMissing) {
+  MemStore store;
+  t3d_config_t cfg;
+  t3d_config_init(&cfg);
+  cfg.timeout_ms = 1000;
+  const std::string prefix = UniqueName("lonely");
+  cfg.key_prefix = prefix.c_str();
+  t3d_comm_t *comm = nullptr;
+  const auto t0 = Clock::now();
+  t3d_result_t r = t3d_comm_init(&comm, 0, 2, store.store(), &cfg);
+  const int64_t took = MsSince(t0);
+  EXPECT_EQ(r, T3D_ERR_TIMEOUT) << t3d_result_string(r);
+  EXPECT_LT(took, 2 * cfg.timeout_ms + 500) << "init took " << took << " ms";
+  if (comm) t3d_comm_destroy(comm);
+}
+
+// ---------- split ----------
+
+TEST(Comm, SplitColorsKeysAndNoColor) {
+  const int n = 7;
+  RunRanks(n, [n](int rank, t3d_comm_t *comm) {
+    // Colors 0..2 by rank % 3, rank 6 opts out; keys reverse the order inside each color.
+    const int color = rank == 6 ? T3D_SPLIT_NOCOLOR : rank % 3;
+    t3d_comm_t *sub = nullptr;
+    T3D_ASSERT_OK(comm, t3d_comm_split(comm, color, -rank, nullptr, &sub));
+    if (color == T3D_SPLIT_NOCOLOR) {
+      EXPECT_EQ(sub, nullptr);
+      HostBarrier();  // the others meet here before destroying their children
+      return;
+    }
+    ASSERT_NE(sub, nullptr);
+    std::vector<int> members;
+    for (int r = n - 2; r >= 0; --r)
+      if (r % 3 == color) members.push_back(r);  // sorted by key = -r
+    const int want_rank = static_cast<int>(std::find(members.begin(), members.end(), rank) - members.begin());
+    EXPECT_EQ(t3d_comm_size(sub), static_cast<int>(members.size())) << "color " << color;
+    EXPECT_EQ(t3d_comm_rank(sub), want_rank) << "parent rank " << rank;
+    // The new communicator works: sum of parent ranks, and gather shows the order.
+    int64_t mine = rank, sum = -1;
+    EXPECT_TRUE(RunOk(sub, "allreduce on split", [&](t3d_request_t **q) {
+      return t3d_allreduce(sub, &mine, &sum, 1, T3D_INT64, T3D_SUM, nullptr, q);
+    }));
+    int64_t want_sum = 0;
+    for (int m : members) want_sum += m;
+    EXPECT_EQ(sum, want_sum);
+    std::vector<int32_t> order(members.size(), -1);
+    int32_t me = rank;
+    EXPECT_TRUE(RunOk(sub, "allgather on split", [&](t3d_request_t **q) {
+      return t3d_allgather(sub, &me, order.data(), 1, T3D_INT32, nullptr, q);
+    }));
+    for (size_t i = 0; i < members.size(); ++i) EXPECT_EQ(order[i], members[i]) << "position " << i;
+    // Equal keys: ordered by parent rank. Split the split.
+    t3d_config_t cfg;
+    t3d_config_init(&cfg);
+    cfg.name = "subsub";
+    t3d_comm_t *subsub = nullptr;
+    T3D_ASSERT_OK(sub, t3d_comm_split(sub, 0, 0, &cfg, &subsub));
+    ASSERT_NE(subsub, nullptr);
+    EXPECT_EQ(t3d_comm_size(subsub), t3d_comm_size(sub));
+    std::vector<int32_t> order2(members.size(), -1);
+    EXPECT_TRUE(RunOk(subsub, "allgather on split of split", [&](t3d_request_t **q) {
+      return t3d_allgather(subsub, &me, order2.data(), 1, T3D_INT32, nullptr, q);
+    }));
+    // sub ranks are in members order, so equal keys keep that order.
+    for (size_t i = 0; i < members.size(); ++i) EXPECT_EQ(order2[i], members[i]) << "position " << i;
+    // The parent still works while the children exist.
+    if (!HostBarrier()) return;
+    EXPECT_EQ(t3d_comm_destroy(subsub), T3D_OK);
+    EXPECT_EQ(t3d_comm_destroy(sub), T3D_OK);
+  });
+}
+
+TEST(Comm, ParentUsableAfterSplit) {
+  const int n = 4;
+  RunRanks(n, [n](int rank, t3d_comm_t *comm) {
+    t3d_comm_t *sub = nullptr;
+    T3D_ASSERT_OK(comm, t3d_comm_split(comm, rank / 2, rank, nullptr, &sub));
+    ASSERT_NE(sub, nullptr);
+    EXPECT_EQ(t3d_comm_size(sub), 2);
+    int32_t one = 1, total = 0, pair = 0;
+    EXPECT_TRUE(RunOk(comm, "allreduce on parent", [&](t3d_request_t **q) {
+      return t3d_allreduce(comm, &one, &total, 1, T3D_INT32, T3D_SUM, nullptr, q);
+    }));
+    EXPECT_TRUE(RunOk(sub, "allreduce on child", [&](t3d_request_t **q) {
+      return t3d_allreduce(sub, &one, &pair, 1, T3D_INT32, T3D_SUM, nullptr, q);
+    }));
+    EXPECT_EQ(total, n);
+    EXPECT_EQ(pair, 2);
+    if (!HostBarrier()) return;
+    EXPECT_EQ(t3d_comm_destroy(sub), T3D_OK);
+  });
+}
+
+// Two communicators over the same ranks, collectives issued on both before either is waited for, in opposite
+// orders on even and odd ranks: each communicator has its own sequence, so nothing crosses or deadlocks.
+TEST(Comm, ConcurrentCollectivesOnTwoComms) {
+  const int n = 4;
+  MemStore second_store;
+  const std::string prefix = UniqueName("second");
+  RunRanks(n, [&](int rank, t3d_comm_t *a) {
+    t3d_config_t cfg;
+    t3d_config_init(&cfg);
+    cfg.key_prefix = prefix.c_str();
+    cfg.name = "second";
+    cfg.timeout_ms = TestTimeoutMs();
+    t3d_comm_t *b = nullptr;
+    T3D_ASSERT_OK(nullptr, t3d_comm_init(&b, rank, n, second_store.store(), &cfg));
+    t3d_comm_t *c = nullptr;
+    T3D_ASSERT_OK(a, t3d_comm_split(a, 0, n - rank, nullptr, &c));  // same ranks, reversed order
+    for (int it = 0; it < 20; ++it) {
+      const size_t count = 1 + static_cast<size_t>(it) * 1531;
+      std::vector<float> ia(count, 1.0f), ib(count, static_cast<float>(rank)), ic(count, 2.0f);
+      std::vector<float> oa(count), ob(count), oc(count);
+      t3d_request_t *qa = nullptr, *qb = nullptr, *qc = nullptr;
+      auto issue_a = [&] {
+        T3D_EXPECT_OK(a, t3d_allreduce(a, ia.data(), oa.data(), count, T3D_FLOAT32, T3D_SUM, nullptr, &qa));
+      };
+      auto issue_b = [&] {
+        T3D_EXPECT_OK(b, t3d_allreduce(b, ib.data(), ob.data(), count, T3D_FLOAT32, T3D_SUM, nullptr, &qb));
+      };
+      auto issue_c = [&] {
+        T3D_EXPECT_OK(c, t3d_allreduce(c, ic.data(), oc.data(), count, T3D_FLOAT32, T3D_MAX, nullptr, &qc));
+      };
+      if (rank % 2 == 0) {
+        issue_a();
+        issue_b();
+        issue_c();
+      } else {
+        issue_c();
+        issue_b();
+        issue_a();
+      }
+      std::string err;
+      EXPECT_EQ(Finish(qc, &err), T3D_OK) << "comm c: " << err;
+      EXPECT_EQ(Finish(qa, &err), T3D_OK) << "comm a: " << err;
+      EXPECT_EQ(Finish(qb, &err), T3D_OK) << "comm b: " << err;
+      const float want_b = static_cast<float>(n * (n - 1) / 2);
+      for (size_t i = 0; i < count; i += 97) {
+        ASSERT_EQ(oa[i], static_cast<float>(n)) << "iteration " << it << " element " << i;
+        ASSERT_EQ(ob[i], want_b) << "iteration " << it << " element " << i;
+        ASSERT_EQ(oc[i], 2.0f) << "iteration " << it << " element " << i;
+      }
+      if (::testing::Test::HasFailure()) break;
+    }
+    if (!HostBarrier()) return;
+    EXPECT_EQ(t3d_comm_destroy(c), T3D_OK);
+    EXPECT_EQ(t3d_comm_destroy(b), T3D_OK);
+  });
+}
+
+// ---------- argument checking ----------
+
+struct BadCall {
+  std::string what;      // for messages
+  std::string argument;  // the name the error text must contain
+  IssueFn issue;
+};
+
+TEST(Comm, BadArgumentsAreNamed) {
+  const int n = 2;
+  RunRanks(n, [n](int rank, t3d_comm_t *comm) {
+    float f[8] = {0};
+    float g[8] = {0};
+    size_t counts[2] = {1, 1}, displs[2] = {0, 1};
+    size_t wrong_counts[2] = {3, 3};
+    std::vector<BadCall> calls = {
+        {"allreduce NULL sendbuf", "sendbuf",
+         [&](t3d_request_t **q) { return t3d_allreduce(comm, nullptr, g, 4, T3D_FLOAT32, T3D_SUM, nullptr, q); }},
+        {"allreduce NULL recvbuf", "recvbuf",
+         [&](t3d_request_t **q) { return t3d_allreduce(comm, f, nullptr, 4, T3D_FLOAT32, T3D_SUM, nullptr, q); }},
+        {"allreduce bad dtype", "dtype",
+         [&](t3d_request_t **q) {
+           return t3d_allreduce(comm, f, g, 4, static_cast<t3d_dtype_t>(T3D_DTYPE_COUNT), T3D_SUM, nullptr, q);
+         }},
+        {"allreduce negative dtype", "dtype",
+         [&](t3d_request_t **q) {
+           return t3d_allreduce(comm, f, g, 4, static_cast<t3d_dtype_t>(-3), T3D_SUM, nullptr, q);
+         }},
+        {"allreduce bad op", "op",
+         [&](t3d_request_t **q) {
+           return t3d_allreduce(comm, f, g, 4, T3D_FLOAT32, static_cast<t3d_redop_t>(T3D_REDOP_COUNT), nullptr, q);
+         }},
+        {"broadcast root = size", "root",
+         [&](t3d_request_t **q) { return t3d_broadcast(comm, f, 4, T3D_FLOAT32, n, nullptr, q); }},
+        {"broadcast root = -1", "root",
+         [&](t3d_request_t **q) { return t3d_broadcast(comm, f, 4, T3D_FLOAT32, -1, nullptr, q); }},
+        {"broadcast NULL buf", "buf",
+         [&](t3d_request_t **q) { return t3d_broadcast(comm, nullptr, 4, T3D_FLOAT32, 0, nullptr, q); }},
+        {"reduce root = size", "root",
+         [&](t3d_request_t **q) { return t3d_reduce(comm, f, g, 4, T3D_FLOAT32, T3D_SUM, n, nullptr, q); }},
+        {"gather root = size + 3", "root",
+         [&](t3d_request_t **q) { return t3d_gather(comm, f, g, 1, T3D_FLOAT32, n + 3, nullptr, q); }},
+        {"scatter root = -2", "root",
+         [&](t3d_request_t **q) { return t3d_scatter(comm, f, g, 1, T3D_FLOAT32, -2, nullptr, q); }},
+        {"allgather NULL recvbuf", "recvbuf",
+         [&](t3d_request_t **q) { return t3d_allgather(comm, f, nullptr, 2, T3D_FLOAT32, nullptr, q); }},
+        {"allgatherv sendcount != recvcounts[rank]", "sendcount",
+         [&](t3d_request_t **q) {
+           return t3d_allgatherv(comm, f, 2, g, counts, displs, T3D_FLOAT32, nullptr, q);
+         }},
+        {"allgatherv NULL recvcounts", "recvcounts",
+         [&](t3d_request_t **q) { return t3d_allgatherv(comm, f, 1, g, nullptr, displs, T3D_FLOAT32, nullptr, q); }},
+        {"reduce_scatterv NULL recvcounts", "recvcounts",
+         [&](t3d_request_t **q) {
+           return t3d_reduce_scatterv(comm, f, g, nullptr, T3D_FLOAT32, T3D_SUM, nullptr, q);
+         }},
+        {"alltoallv NULL sendcounts", "sendcounts",
+         [&](t3d_request_t **q) {
+           return t3d_alltoallv(comm, f, nullptr, displs, g, counts, displs, T3D_FLOAT32, nullptr, q);
+         }},
+        {"alltoall NULL sendbuf", "sendbuf",
+         [&](t3d_request_t **q) { return t3d_alltoall(comm, nullptr, g, 2, T3D_FLOAT32, nullptr, q); }},
+        {"send peer = size", "peer",
+         [&](t3d_request_t **q) { return t3d_send(comm, f, 1, T3D_FLOAT32, n, 0, nullptr, q); }},
+        {"send peer = ANY_SOURCE", "peer",
+         [&](t3d_request_t **q) { return t3d_send(comm, f, 1, T3D_FLOAT32, T3D_ANY_SOURCE, 0, nullptr, q); }},
+        {"recv peer = -5", "peer",
+         [&](t3d_request_t **q) { return t3d_recv(comm, f, 1, T3D_FLOAT32, -5, 0, nullptr, q); }},
+        {"send NULL buf", "buf",
+         [&](t3d_request_t **q) { return t3d_send(comm, nullptr, 1, T3D_FLOAT32, 1 - rank, 0, nullptr, q); }},
+        {"send tag > T3D_MAX_TAG", "tag",
+         [&](t3d_request_t **q) { return t3d_send(comm, f, 1, T3D_FLOAT32, 1 - rank, T3D_MAX_TAG + 1, nullptr, q); }},
+        {"recv negative tag", "tag",
+         [&](t3d_request_t **q) { return t3d_recv(comm, f, 1, T3D_FLOAT32, 1 - rank, -1, nullptr, q); }},
+        {"send bad dtype", "dtype",
+         [&](t3d_request_t **q) {
+           return t3d_send(comm, f, 1, static_cast<t3d_dtype_t>(99), 1 - rank, 0, nullptr, q);
+         }},
+    };
+    (void)wrong_counts;
+    for (const BadCall &c : calls) {
+      std::string err;
+      t3d_result_t r = RunResult(c.issue, &err);
+      EXPECT_EQ(r, T3D_ERR_INVALID_ARG) << "rank " << rank << ": " << c.what << " -> " << t3d_result_string(r);
+      const std::string text = t3d_comm_last_error(comm);
+      EXPECT_NE(text.find(c.argument), std::string::npos)
+          << "rank " << rank << ": " << c.what << ": last error does not name '" << c.argument << "': " << text;
+      EXPECT_TRUE(MentionsRank(text, rank)) << "rank " << rank << ": " << c.what << ": last error does not name the rank: "
+                                            << text;
+      EXPECT_EQ(t3d_comm_status(comm), T3D_OK) << c.what << ": a bad argument must not break the communicator";
+    }
+    // A NULL request pointer, and NULL buffers with a zero count (allowed).
+    EXPECT_EQ(t3d_allreduce(comm, f, g, 1, T3D_FLOAT32, T3D_SUM, nullptr, nullptr), T3D_ERR_INVALID_ARG);
+    EXPECT_EQ(t3d_allreduce(nullptr, f, g, 1, T3D_FLOAT32, T3D_SUM, nullptr, nullptr), T3D_ERR_INVALID_ARG);
+    EXPECT_TRUE(RunOk(comm, "allreduce of 0 elements with NULL buffers", [&](t3d_request_t **q) {
+      return t3d_allreduce(comm, nullptr, nullptr, 0, T3D_FLOAT32, T3D_SUM, nullptr, q);
+    }));
+    // The sequence stayed in step: a real collective still matches across ranks.
+    float one = 1.0f, sum = 0.0f;
+    EXPECT_TRUE(RunOk(comm, "allreduce after bad arguments", [&](t3d_request_t **q) {
+      return t3d_allreduce(comm, &one, &sum, 1, T3D_FLOAT32, T3D_SUM, nullptr, q);
+    }));
+    EXPECT_EQ(sum, static_cast<float>(n));
+  });
+}
+
+TEST(Comm, NullRequestHandles) {
+  EXPECT_EQ(t3d_test(nullptr), T3D_ERR_INVALID_ARG);
+  EXPECT_EQ(t3d_wait(nullptr, 0), T3D_ERR_INVALID_ARG);
+  t3d_request_free(nullptr);  // must be a no-op
+  EXPECT_EQ(t3d_comm_destroy(nullptr), T3D_ERR_INVALID_ARG);
+}
+
+// ---------- timeouts ----------
+
+// Rank 1 never joins the allreduce: rank 0's request fails with T3D_ERR_TIMEOUT within twice the configured
+// timeout, and the text names the collective and rank 1.
+TEST(Comm, CollectiveTimesOutNamingMissingRank) {
+  RunOptions o;
+  o.comm_timeout_ms = 1000;
+  o.abort_on_failure = false;
+  RunRanks(2, [](int rank, t3d_comm_t *comm) {
+    if (rank == 0) {
+      float x[4] = {1, 2, 3, 4}, y[4];
+      t3d_request_t *q = nullptr;
+      const auto t0 = Clock::now();
+      T3D_EXPECT_OK(comm, t3d_allreduce(comm, x, y, 4, T3D_FLOAT32, T3D_SUM, nullptr, &q));
+      if (q) {
+        const t3d_result_t r = t3d_wait(q, 10000);
+        const int64_t took = MsSince(t0);
+        const std::string text = t3d_request_error(q);
+        EXPECT_EQ(r, T3D_ERR_TIMEOUT) << t3d_result_string(r) << ": " << text;
+        EXPECT_LT(took, 2000) << "timeout of 1000 ms took " << took << " ms to report";
+        EXPECT_GE(took, 900) << "reported before the timeout";
+        EXPECT_NE(text.find("allreduce"), std::string::npos) << text;
+        EXPECT_TRUE(MentionsRank(text, 1)) << "does not name the missing rank 1: " << text;
+        t3d_request_free(q);
+        EXPECT_NE(t3d_comm_status(comm), T3D_OK) << "a timed-out collective leaves the communicator broken";
+      }
+    }
+    HostBarrier();
+  }, o);
+}
+
+// A per-call timeout (opts.timeout_ms) overrides the communicator's.
+TEST(Comm, PerCallTimeout) {
+  RunOptions o;
+  o.comm_timeout_ms = 60000;
+  o.abort_on_failure = false;
+  RunRanks(2, [](int rank, t3d_comm_t *comm) {
+    if (rank == 1) {
+      t3d_opts_t opts;
+      opts.timeout_ms = 500;
+      opts.premul_scalar = 1.0;
+      const auto t0 = Clock::now();
+      std::string err;
+      t3d_result_t r = RunResult([&](t3d_request_t **q) { return t3d_barrier(comm, &opts, q); }, &err);
+      const int64_t took = MsSince(t0);
+      EXPECT_EQ(r, T3D_ERR_TIMEOUT) << err;
+      EXPECT_LT(took, 1000) << "timeout of 500 ms took " << took << " ms";
+      EXPECT_NE(err.find("barrier"), std::string::npos) << err;
+      EXPECT_TRUE(MentionsRank(err, 0)) << err;
+    }
+    HostBarrier();
+  }, o);
+}
+
+// A wait that gives up returns T3D_ERR_TIMEOUT but leaves the operation running; it then completes normally.
+TEST(Comm, ShortWaitLeavesOperationRunning) {
+  RunRanks(2, [](int rank, t3d_comm_t *comm) {
+    int32_t v = rank + 1, s = 0;
+    t3d_request_t *q = nullptr;
+    if (rank == 0) {
+      T3D_ASSERT_OK(comm, t3d_allreduce(comm, &v, &s, 1, T3D_INT32, T3D_SUM, nullptr, &q));
+      EXPECT_EQ(t3d_wait(q, 50), T3D_ERR_TIMEOUT);
+      EXPECT_EQ(t3d_test(q), T3D_IN_PROGRESS);
+      EXPECT_EQ(t3d_comm_status(comm), T3D_OK);
+      if (!HostBarrier()) return;
+    } else {
+      if (!HostBarrier()) return;
+      T3D_ASSERT_OK(comm, t3d_allreduce(comm, &v, &s, 1, T3D_INT32, T3D_SUM, nullptr, &q));
+    }
+    std::string err;
+    EXPECT_EQ(Finish(q, &err), T3D_OK) << err;
+    EXPECT_EQ(s, 3);
+  });
+}
+
+// ---------- abort ----------
+
+// Another thread aborts while a request is pending: it completes with T3D_ERR_ABORTED quickly, and later calls
+// fail the same way.
+TEST(Comm, AbortFromAnotherThread) {
+  RunOptions o;
+  o.abort_on_failure = false;
+  RunRanks(2, [](int rank, t3d_comm_t *comm) {
+    if (rank == 0) {
+      float x[4] = {0}, y[4] = {0};
+      t3d_request_t *coll = nullptr, *recv = nullptr;
+      T3D_EXPECT_OK(comm, t3d_allreduce(comm, x, y, 4, T3D_FLOAT32, T3D_SUM, nullptr, &coll));
+      T3D_EXPECT_OK(comm, t3d_recv(comm, y, 4, T3D_FLOAT32, 1, 77, nullptr, &recv));
+      std::atomic<bool> aborted{false};
+      Clock::time_point t_abort;
+      std::thread killer([&] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(200));
+        t_abort = Clock::now();
+        aborted.store(true);
+        EXPECT_EQ(t3d_comm_abort(comm), T3D_OK);
+      });
+      t3d_result_t r = coll ? t3d_wait(coll, 10000) : T3D_ERR_INTERNAL;
+      const int64_t after_abort = aborted.load() ? MsSince(t_abort) : -1;
+      EXPECT_EQ(r, T3D_ERR_ABORTED) << t3d_result_string(r);
+      EXPECT_TRUE(aborted.load()) << "the request ended before the abort";
+      EXPECT_LT(after_abort, 1000) << "abort took " << after_abort << " ms to complete the request";
+      if (recv) {
+        EXPECT_EQ(t3d_wait(recv, 2000), T3D_ERR_ABORTED);
+      }
+      killer.join();
+      if (coll) t3d_request_free(coll);
+      if (recv) t3d_request_free(recv);
+      EXPECT_EQ(t3d_comm_status(comm), T3D_ERR_ABORTED);
+      // Later requests fail at once too (at the call or at completion).
+      std::string err;
+      r = RunResult([&](t3d_request_t **q) { return t3d_barrier(comm, nullptr, q); }, &err);
+      EXPECT_EQ(r, T3D_ERR_ABORTED) << t3d_result_string(r);
+      // Aborting twice is harmless.
+      EXPECT_EQ(t3d_comm_abort(comm), T3D_OK);
+    }
+    HostBarrier();
+  }, o);
+}
+
+// A callback set on a pending request runs with T3D_ERR_ABORTED when the communicator is aborted.
+TEST(Comm, AbortRunsCallbacks) {
+  RunOptions o;
+  o.abort_on_failure = false;
+  RunRanks(2, [](int rank, t3d_comm_t *comm) {
+    if (rank == 1) {
+      int32_t buf = 0;
+      t3d_request_t *q = nullptr;
+      T3D_ASSERT_OK(comm, t3d_recv(comm, &buf, 1, T3D_INT32, 0, 5, nullptr, &q));
+      static std::atomic<int> calls;
+      static std::atomic<int> result;
+      calls = 0;
+      result = 1;
+      T3D_EXPECT_OK(comm, t3d_request_set_callback(q, [](void *, t3d_result_t res) {
+        result.store(res);
+        calls.fetch_add(1);
+      }, nullptr));
+      EXPECT_EQ(t3d_comm_abort(comm), T3D_OK);
+      EXPECT_EQ(t3d_wait(q, 5000), T3D_ERR_ABORTED);
+      const auto t0 = Clock::now();
+      while (calls.load() == 0 && MsSince(t0) < 5000) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      EXPECT_EQ(calls.load(), 1);
+      EXPECT_EQ(result.load(), T3D_ERR_ABORTED);
+      t3d_request_free(q);
+    }
+    HostBarrier();
+  }, o);
+}
+
+}  // namespace

@@ -1,0 +1,299 @@
+// test_fork.cc: ranks as real processes over the file store: a clean multi-process run, and the death of a rank
+// (SIGKILL), after which the survivors must fail with an error naming the collective instead of hanging.
+// Children never touch gtest: they report through their exit code and one line each on a pipe.
+#include <gtest/gtest.h>
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdarg>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "harness.h"
+
+using namespace t3dtest;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+int64_t MsSince(Clock::time_point t) {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t).count();
+}
+
+// Exit codes of a child.
+enum ChildExit {
+  kExitOk = 0,
+  kExitInit = 10,        // t3d_comm_init failed
+  kExitWrongResult = 11, // a collective returned wrong data
+  kExitNoError = 12,     // the peer died but no error came
+  kExitTooSlow = 13,     // the error came later than twice the timeout
+  kExitWrongCode = 14,   // an error other than TIMEOUT / PEER_LOST
+  kExitBadText = 15,     // the error text does not name the collective
+  kExitCallFailed = 16,  // a call failed where it should not
+  kExitDestroy = 17,     // t3d_comm_destroy failed
+};
+
+const int kCommTimeoutMs = 2000;
+const int kWorld = 3;
+
+// One line on the report pipe; a single write below PIPE_BUF is atomic, so lines of different children never mix.
+void Report(int fd, int rank, const char *fmt, ...) {
+  char line[1024];
+  int len = snprintf(line, sizeof line, "rank %d: ", rank);
+  va_list ap;
+  va_start(ap, fmt);
+  len += vsnprintf(line + len, sizeof line - static_cast<size_t>(len), fmt, ap);
+  va_end(ap);
+  if (len > static_cast<int>(sizeof line) - 2) len = static_cast<int>(sizeof line) - 2;
+  line[len++] = '\n';
+  ssize_t ignored = write(fd, line, static_cast<size_t>(len));
+  (void)ignored;
+}
+
+enum class Death { kNone, kSelfKill, kParentKill };
+
+struct ChildArgs {
+  int rank;
+  std::string dir;
+  std::string prefix;
+  int report_fd;
+  int ready_fd;  // rank 2 writes one byte here once it has run a few iterations (kParentKill)
+  Death death;
+};
+
+// The body of a child process: init, then allreduce in a loop until the planned death shows as an error.
+[[noreturn]] void ChildMain(const ChildArgs &a) {
+  FileStore store(a.dir);
+  t3d_config_t cfg;
+  t3d_config_init(&cfg);
+  cfg.timeout_ms = kCommTimeoutMs;
+  cfg.key_prefix = a.prefix.c_str();
+  cfg.name = "forked";
+  t3d_comm_t *comm = nullptr;
+  t3d_result_t r = t3d_comm_init(&comm, a.rank, kWorld, store.store(), &cfg);
+  if (r != T3D_OK) {
+    Report(a.report_fd, a.rank, "t3d_comm_init -> %s", t3d_result_string(r));
+    _exit(kExitInit);
+  }
+  const size_t count = 4096;
+  std::vector<float> in(count), out(count);
+  const int max_iters = a.death == Death::kNone ? 50 : 1000000;
+  const auto loop_start = Clock::now();
+  for (int it = 0; it < max_iters; ++it) {
+    if (a.rank == 2 && a.death == Death::kSelfKill && it == 5) raise(SIGKILL);
+    if (a.rank == 2 && a.death == Death::kParentKill && it == 3) {
+      char byte = 'r';
+      ssize_t ignored = write(a.ready_fd, &byte, 1);
+      (void)ignored;
+    }
+    for (size_t i = 0; i < count; ++i) in[i] = static_cast<float>(a.rank + 1 + static_cast<int>(i % 5));
+    t3d_request_t *req = nullptr;
+    const auto t0 = Clock::now();
+    r = t3d_allreduce(comm, in.data(), out.data(), count, T3D_FLOAT32, T3D_SUM, nullptr, &req);
+    if (r == T3D_OK) r = t3d_wait(req, 10 * kCommTimeoutMs);
+    const int64_t took = MsSince(t0);
+    if (r == T3D_OK) {
+      t3d_request_free(req);
+      for (size_t i = 0; i < count; ++i) {
+        const float want = static_cast<float>(kWorld * (kWorld + 1) / 2 + kWorld * static_cast<int>(i % 5));
+        if (out[i] != want) {
+          Report(a.report_fd, a.rank, "iteration %d element %zu: got %g expected %g", it, i, out[i], want);
+          _exit(kExitWrongResult);
+        }
+      }
+      if (a.death != Death::kNone && MsSince(loop_start) > 20000) {
+        Report(a.report_fd, a.rank, "no error %d iterations (%lld ms) after rank 2 was to die", it,
+               static_cast<long long>(MsSince(loop_start)));
+        _exit(kExitNoError);
+      }
+      continue;
+    }
+    // An error: a call that failed outright has no request; take the text from the communicator.
+    const std::string text = req ? t3d_request_error(req) : t3d_comm_last_error(comm);
+    if (req) t3d_request_free(req);
+    if (a.death == Death::kNone) {
+      Report(a.report_fd, a.rank, "iteration %d failed: %s: %s", it, t3d_result_string(r), text.c_str());
+      _exit(kExitCallFailed);
+    }
+    Report(a.report_fd, a.rank, "iteration %d: %s after %lld ms: %s", it, t3d_result_string(r),
+           static_cast<long long>(took), text.c_str());
+    int code = kExitOk;
+    if (r != T3D_ERR_TIMEOUT && r != T3D_ERR_PEER_LOST) code = kExitWrongCode;
+    else if (took > 2 * kCommTimeoutMs) code = kExitTooSlow;
+    else if (text.find("allreduce") == std::string::npos) code = kExitBadText;
+    // The communicator is broken; destroy must still return.
+    r = t3d_comm_destroy(comm);
+    if (r != T3D_OK && code == kExitOk) {
+      Report(a.report_fd, a.rank, "t3d_comm_destroy -> %s", t3d_result_string(r));
+      code = kExitDestroy;
+    }
+    _exit(code);
+  }
+  r = t3d_comm_destroy(comm);
+  if (r != T3D_OK) {
+    Report(a.report_fd, a.rank, "t3d_comm_destroy -> %s", t3d_result_string(r));
+    _exit(kExitDestroy);
+  }
+  _exit(kExitOk);
+}
+
+std::string DescribeStatus(int status) {
+  char buf[64];
+  if (WIFEXITED(status)) snprintf(buf, sizeof buf, "exit code %d", WEXITSTATUS(status));
+  else if (WIFSIGNALED(status)) snprintf(buf, sizeof buf, "killed by signal %d", WTERMSIG(status));
+  else snprintf(buf, sizeof buf, "status 0x%x", status);
+  return buf;
+}
+
+std::string ReadAll(int fd) {
+  std::string s;
+  char chunk[4096];
+  for (;;) {
+    ssize_t r = read(fd, chunk, sizeof chunk);
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) break;
+    s.append(chunk, static_cast<size_t>(r));
+  }
+  return s;
+}
+
+// Forks kWorld children, plays the parent's part of `death`, and waits for all of them under a hard deadline
+// (killing every child when it passes). Returns each child's wait status; -1 for one that had to be killed.
+std::vector<int> RunChildren(Death death, std::string *reports) {
+  const std::string dir = "/tmp/" + UniqueName("t3d-fork");
+  FileStore store(dir);
+  int report_pipe[2], ready_pipe[2];
+  if (pipe(report_pipe) != 0 || pipe(ready_pipe) != 0) {
+    ADD_FAILURE() << "pipe: " << strerror(errno);
+    return {};
+  }
+  fflush(stdout);
+  fflush(stderr);
+  std::vector<pid_t> pids(kWorld, -1);
+  for (int rank = 0; rank < kWorld; ++rank) {
+    pid_t pid = fork();
+    if (pid < 0) {
+      ADD_FAILURE() << "fork: " << strerror(errno);
+      break;
+    }
+    if (pid == 0) {
+      close(report_pipe[0]);
+      close(ready_pipe[0]);
+      ChildArgs a{rank, dir, "fork", report_pipe[1], ready_pipe[1], death};
+      ChildMain(a);
+    }
+    pids[rank] = pid;
+  }
+  close(report_pipe[1]);
+  close(ready_pipe[1]);
+
+  const int64_t deadline_ms = 30000;
+  const auto start = Clock::now();
+  std::vector<int> status(kWorld, -1);
+  std::vector<bool> done(kWorld, false);
+  int remaining = 0;
+  for (pid_t p : pids) remaining += p > 0;
+  for (int r = 0; r < kWorld; ++r) done[r] = pids[r] <= 0;
+  bool killed_rank2 = false;
+  while (remaining > 0 && MsSince(start) < deadline_ms) {
+    if (death == Death::kParentKill && !killed_rank2) {
+      struct pollfd pfd = {ready_pipe[0], POLLIN, 0};
+      if (poll(&pfd, 1, 0) == 1) {
+        char byte;
+        if (read(ready_pipe[0], &byte, 1) == 1 && pids[2] > 0) {
+          kill(pids[2], SIGKILL);
+          killed_rank2 = true;
+        }
+      }
+    }
+    for (int r = 0; r < kWorld; ++r) {
+      if (done[r]) continue;
+      int st = 0;
+      pid_t w = waitpid(pids[r], &st, WNOHANG);
+      if (w == pids[r]) {
+        status[r] = st;
+        done[r] = true;
+        remaining--;
+      }
+    }
+    usleep(5000);
+  }
+  if (remaining > 0) {
+    std::string hung;
+    for (int r = 0; r < kWorld; ++r) {
+      if (done[r]) continue;
+      hung += " " + std::to_string(r);
+      kill(pids[r], SIGKILL);
+      int st = 0;
+      waitpid(pids[r], &st, 0);
+    }
+    ADD_FAILURE() << "children still running after the " << deadline_ms << " ms deadline (killed):" << hung;
+  }
+  if (death == Death::kParentKill) {
+    EXPECT_TRUE(killed_rank2) << "rank 2 never said it was ready to be killed";
+  }
+  *reports = ReadAll(report_pipe[0]);
+  close(report_pipe[0]);
+  close(ready_pipe[0]);
+  store.Remove();
+  return status;
+}
+
+const char *ExitMeaning(int code) {
+  switch (code) {
+    case kExitOk: return "ok";
+    case kExitInit: return "init failed";
+    case kExitWrongResult: return "wrong allreduce result";
+    case kExitNoError: return "no error after the peer died";
+    case kExitTooSlow: return "error came later than 2x the timeout";
+    case kExitWrongCode: return "error was neither TIMEOUT nor PEER_LOST";
+    case kExitBadText: return "error text does not name the collective";
+    case kExitCallFailed: return "a collective failed";
+    case kExitDestroy: return "t3d_comm_destroy failed";
+    default: return "?";
+  }
+}
+
+void ExpectExitedOk(const std::vector<int> &status, int rank, const std::string &reports) {
+  ASSERT_LT(static_cast<size_t>(rank), status.size());
+  const int st = status[rank];
+  ASSERT_NE(st, -1) << "rank " << rank << " had to be killed\n" << reports;
+  EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == kExitOk)
+      << "rank " << rank << ": " << DescribeStatus(st) << " ("
+      << (WIFEXITED(st) ? ExitMeaning(WEXITSTATUS(st)) : "signal") << ")\nchild reports:\n" << reports;
+}
+
+TEST(Fork, CleanRunOverFileStore) {
+  std::string reports;
+  std::vector<int> status = RunChildren(Death::kNone, &reports);
+  ASSERT_EQ(status.size(), static_cast<size_t>(kWorld));
+  for (int r = 0; r < kWorld; ++r) ExpectExitedOk(status, r, reports);
+}
+
+void ExpectSurvivorsReported(Death death) {
+  std::string reports;
+  std::vector<int> status = RunChildren(death, &reports);
+  ASSERT_EQ(status.size(), static_cast<size_t>(kWorld));
+  const int st2 = status[2];
+  EXPECT_TRUE(st2 != -1 && WIFSIGNALED(st2) && WTERMSIG(st2) == SIGKILL)
+      << "rank 2: " << (st2 == -1 ? "hung" : DescribeStatus(st2)) << "\n" << reports;
+  ExpectExitedOk(status, 0, reports);
+  ExpectExitedOk(status, 1, reports);
+  // Visible in the log: what the survivors said.
+  printf("%s", reports.c_str());
+}
+
+TEST(Fork, RankKillsItselfSurvivorsFail) { ExpectSurvivorsReported(Death::kSelfKill); }
+
+TEST(Fork, ParentKillsRankSurvivorsFail) { ExpectSurvivorsReported(Death::kParentKill); }
+
+}  // namespace
