@@ -1,16 +1,366 @@
-/* shm.c: interim: no shared-memory path yet; every communicator uses the UCX algorithms. */
-#include "comm.h"
+/* shm.c: the shared-memory segment of a communicator whose ranks share a host (create, publish, map, unlink at once,
+ * unmap) and the flag protocol the collectives in coll.c are built from. */
+#include "shm.h"
 
-t3d_result_t t3d__shm_init(t3d_comm_t *comm, t3d_shm_t **shm) {
-  *shm = NULL;
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+/* ---------- tuning ---------- */
+
+/* Per rank: two halves of 1 MiB. 8 ranks x 6 communicators then hold 96 MiB of /dev/shm. */
+#define DEFAULT_RANK_BYTES (2u << 20)
+
+static size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+/* ---------- segment ---------- */
+
+static atomic_uint segment_counter;
+
+static uint32_t random_bits(void) {
+  uint64_t x = t3d__now_ns() ^ ((uint64_t)getpid() << 32) ^ (uint64_t)(uintptr_t)&x;
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdull;
+  x ^= x >> 33;
+  return (uint32_t)x;
+}
+
+static size_t layout_bytes(int n, size_t half) {
+  return T3D_SHM_PAGE + round_up((size_t)n * T3D_SHM_CTRL_STRIDE, T3D_SHM_PAGE) + (size_t)n * 2 * half;
+}
+
+static void layout(t3d_shm_t *s) {
+  s->ctrl = s->base + T3D_SHM_PAGE;
+  s->data = s->ctrl + round_up((size_t)s->size * T3D_SHM_CTRL_STRIDE, T3D_SHM_PAGE);
+}
+
+/* Rank 0: creates, sizes and maps the segment. On failure writes the reason into err. */
+static t3d_result_t create_segment(t3d_comm_t *comm, t3d_shm_t *s, size_t rank_bytes, char *err, size_t errlen) {
+  size_t half = round_up(rank_bytes / 2, T3D_SHM_PAGE);
+  /* Every rank's alltoall / reduce_scatter piece is at least one cache line. */
+  size_t min_half = round_up((size_t)s->size * 64 * 4, T3D_SHM_PAGE);
+  if (half < min_half) half = min_half;
+  if (half < 64 * 1024) half = 64 * 1024;
+  size_t total = layout_bytes(s->size, half);
+  int fd = -1;
+  for (int attempt = 0; attempt < 8 && fd < 0; attempt++) {
+    snprintf(s->name, sizeof s->name, "/t3d-%d-%u-%08x", (int)getpid(), atomic_fetch_add(&segment_counter, 1),
+             random_bits());
+    fd = shm_open(s->name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    if (fd < 0 && errno != EEXIST) break;
+  }
+  if (fd < 0) {
+    snprintf(err, errlen, "shm_open(%s) failed: %s", s->name, strerror(errno));
+    return T3D_ERR_SYSTEM;
+  }
+  t3d_result_t res = T3D_OK;
+  /* ftruncate alone gives a sparse file: on a full /dev/shm the first touch of a page would raise SIGBUS in the
+   * middle of a collective. posix_fallocate reserves every page now, so the failure is here, with a reason. */
+  int rc = ftruncate(fd, (off_t)total) == 0 ? 0 : errno;
+  if (rc == 0) rc = posix_fallocate(fd, 0, (off_t)total);
+  if (rc != 0) {
+    snprintf(err, errlen,
+             "cannot reserve %zu bytes in /dev/shm for the shared-memory segment of group '%s' (%d ranks x %zu bytes; "
+             "T3D_SHM_BYTES sets the bytes per rank): %s; free space in /dev/shm (df -h /dev/shm), lower "
+             "T3D_SHM_BYTES, or set T3D_TRANSPORT=ucx",
+             total, comm->name, s->size, 2 * half, strerror(rc));
+    res = (rc == ENOSPC || rc == ENOMEM || rc == EFBIG) ? T3D_ERR_NO_MEMORY : T3D_ERR_SYSTEM;
+    goto fail;
+  }
+  s->base = mmap(NULL, total, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+  if (s->base == MAP_FAILED) {
+    s->base = NULL;
+    snprintf(err, errlen, "mmap of %zu bytes of %s failed: %s", total, s->name, strerror(errno));
+    res = T3D_ERR_NO_MEMORY;
+    goto fail;
+  }
+  close(fd);
+  s->map_bytes = total;
+  s->half = half;
+  t3d_shm_header_t *hdr = (t3d_shm_header_t *)(void *)s->base;
+  hdr->nranks = (uint64_t)s->size;
+  hdr->half = half;
+  hdr->total = total;
+  hdr->magic = T3D_SHM_MAGIC; /* published to the others through the store, which orders it */
+  layout(s);
+  return T3D_OK;
+fail:
+  close(fd);
+  shm_unlink(s->name);
+  return res;
+}
+
+/* The other ranks: open and map what rank 0 published. */
+static t3d_result_t attach_segment(t3d_shm_t *s, char *err, size_t errlen) {
+  int fd = shm_open(s->name, O_RDWR | O_CLOEXEC, 0600);
+  if (fd < 0) {
+    snprintf(err, errlen, "shm_open(%s) failed: %s (is this rank really on rank 0's host, in its IPC namespace?)",
+             s->name, strerror(errno));
+    return T3D_ERR_SYSTEM;
+  }
+  struct stat st;
+  if (fstat(fd, &st) != 0 || st.st_size < (off_t)T3D_SHM_PAGE) {
+    snprintf(err, errlen, "segment %s has an unexpected size", s->name);
+    close(fd);
+    return T3D_ERR_SYSTEM;
+  }
+  size_t total = (size_t)st.st_size;
+  s->base = mmap(NULL, total, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+  close(fd);
+  if (s->base == MAP_FAILED) {
+    s->base = NULL;
+    snprintf(err, errlen, "mmap of %zu bytes of %s failed: %s", total, s->name, strerror(errno));
+    return T3D_ERR_NO_MEMORY;
+  }
+  s->map_bytes = total;
+  const t3d_shm_header_t *hdr = (const t3d_shm_header_t *)(const void *)s->base;
+  if (hdr->magic != T3D_SHM_MAGIC || hdr->nranks != (uint64_t)s->size || hdr->total != total ||
+      layout_bytes(s->size, (size_t)hdr->half) != total) {
+    snprintf(err, errlen, "segment %s does not hold a %d-rank t3d layout", s->name, s->size);
+    return T3D_ERR_SYSTEM;
+  }
+  s->half = (size_t)hdr->half;
+  layout(s);
   return T3D_OK;
 }
-void t3d__shm_fini(t3d_shm_t *shm) {}
-#define UNAVAILABLE return T3D_ERR_INTERNAL
-t3d_result_t t3d__shm_allreduce(t3d_exec_t *ex, const void *s, void *r, size_t c, t3d_dtype_t d, t3d_redop_t o) { UNAVAILABLE; }
-t3d_result_t t3d__shm_reduce(t3d_exec_t *ex, const void *s, void *r, size_t c, t3d_dtype_t d, t3d_redop_t o, int root) { UNAVAILABLE; }
-t3d_result_t t3d__shm_reduce_scatterv(t3d_exec_t *ex, const void *s, void *r, const size_t *c, t3d_dtype_t d, t3d_redop_t o) { UNAVAILABLE; }
-t3d_result_t t3d__shm_broadcast(t3d_exec_t *ex, void *b, size_t n, int root) { UNAVAILABLE; }
-t3d_result_t t3d__shm_allgatherv(t3d_exec_t *ex, const void *s, void *r, const size_t *b, const size_t *d) { UNAVAILABLE; }
-t3d_result_t t3d__shm_alltoallv(t3d_exec_t *ex, const void *s, const size_t *a, const size_t *b, void *r, const size_t *c, const size_t *d) { UNAVAILABLE; }
-t3d_result_t t3d__shm_barrier(t3d_exec_t *ex) { UNAVAILABLE; }
+
+static void read_tuning(t3d_shm_t *s) {
+  int64_t v = t3d__env_int("T3D_SHM_ONESHOT_BYTES", 64 * 1024);
+  s->oneshot_max = v < 0 ? 0 : (size_t)v;
+  if (s->oneshot_max > s->half) s->oneshot_max = s->half;
+  v = t3d__env_int("T3D_SHM_CHUNK_BYTES", 0);
+  s->chunk = v > 0 && (size_t)v < s->half ? (size_t)v : s->half;
+  v = t3d__env_int("T3D_SHM_NT_BYTES", 4 << 20);
+  s->nt_min = v <= 0 ? SIZE_MAX : (size_t)v;
+  s->nt = t3d__shm_nt_available();
+}
+
+/* "name", or "!reason" when rank 0 failed. Each other rank answers "mapped/<rank>" with "1" or "!reason"; rank 0
+ * unlinks the name once all answered and publishes "ready" ("1" or "!reason"), so a failure anywhere fails init on
+ * every rank, and no file outlives init. */
+t3d_result_t t3d__shm_init(t3d_comm_t *comm, t3d_shm_t **out) {
+  *out = NULL;
+  t3d_shm_t *s = calloc(1, sizeof *s);
+  if (s == NULL) return t3d__set_error(comm, T3D_ERR_NO_MEMORY, "t3d_comm_init: out of memory for shm state");
+  s->rank = comm->rank;
+  s->size = comm->size;
+  s->pending = malloc(sizeof(int) * (size_t)comm->size);
+  s->srcs = malloc(sizeof(void *) * (size_t)comm->size);
+  s->offs = malloc(sizeof(size_t) * (size_t)comm->size);
+  char err[700] = "", key[48];
+  void *v = NULL;
+  size_t len = 0;
+  t3d_result_t res = T3D_OK;
+  if (s->pending == NULL || s->srcs == NULL || s->offs == NULL) {
+    res = t3d__set_error(comm, T3D_ERR_NO_MEMORY, "t3d_comm_init: out of memory for shm state");
+    goto fail;
+  }
+  if (comm->rank == 0) {
+    int64_t want = t3d__env_int("T3D_SHM_BYTES", DEFAULT_RANK_BYTES);
+    t3d_result_t cres = create_segment(comm, s, want > 0 ? (size_t)want : DEFAULT_RANK_BYTES, err, sizeof err);
+    char msg[720];
+    if (cres == T3D_OK) snprintf(msg, sizeof msg, "%s", s->name);
+    else snprintf(msg, sizeof msg, "!%s", err);
+    res = t3d__store_set(comm, "shm/name", msg, strlen(msg) + 1);
+    if (cres != T3D_OK) {
+      res = t3d__set_error(comm, cres, "t3d_comm_init: rank 0 of group '%s': %s", comm->name, err);
+      goto fail;
+    }
+    if (res != T3D_OK) {
+      shm_unlink(s->name);
+      goto fail;
+    }
+    t3d_result_t peers = T3D_OK;
+    for (int p = 1; p < comm->size && peers == T3D_OK; p++) {
+      snprintf(key, sizeof key, "shm/mapped/%d", p);
+      peers = t3d__store_get(comm, key, &v, &len);
+      if (peers == T3D_OK && (len == 0 || ((char *)v)[0] == '!')) {
+        snprintf(err, sizeof err, "rank %d could not map the segment: %.*s", p, (int)(len > 1 ? len - 2 : 0),
+                 len > 1 ? (char *)v + 1 : "");
+        peers = T3D_ERR_SYSTEM;
+      } else if (peers != T3D_OK) {
+        snprintf(err, sizeof err, "rank %d did not say it mapped the segment (%s)", p, t3d_result_string(peers));
+      }
+      free(v);
+      v = NULL;
+    }
+    shm_unlink(s->name);
+    if (peers == T3D_OK) snprintf(msg, sizeof msg, "1");
+    else snprintf(msg, sizeof msg, "!%s", err);
+    res = t3d__store_set(comm, "shm/ready", msg, strlen(msg) + 1);
+    if (peers != T3D_OK) {
+      res = t3d__set_error(comm, peers, "t3d_comm_init: shared memory of group '%s': %s", comm->name, err);
+      goto fail;
+    }
+    if (res != T3D_OK) goto fail;
+  } else {
+    T3D_CHECK_GOTO(t3d__store_get(comm, "shm/name", &v, &len), res, fail);
+    if (len == 0 || ((char *)v)[0] == '!' || len > sizeof s->name) {
+      res = t3d__set_error(comm, T3D_ERR_SYSTEM, "t3d_comm_init: rank %d of group '%s': rank 0 could not set up "
+                           "shared memory: %.*s", comm->rank, comm->name, (int)(len > 1 ? len - 2 : 0),
+                           len > 1 ? (char *)v + 1 : "");
+      goto fail;
+    }
+    memcpy(s->name, v, len);
+    s->name[sizeof s->name - 1] = '\0';
+    free(v);
+    v = NULL;
+    t3d_result_t ares = attach_segment(s, err, sizeof err);
+    char msg[720];
+    if (ares == T3D_OK) snprintf(msg, sizeof msg, "1");
+    else snprintf(msg, sizeof msg, "!%s", err);
+    snprintf(key, sizeof key, "shm/mapped/%d", comm->rank);
+    res = t3d__store_set(comm, key, msg, strlen(msg) + 1);
+    if (ares != T3D_OK) {
+      res = t3d__set_error(comm, ares, "t3d_comm_init: rank %d of group '%s': %s", comm->rank, comm->name, err);
+      goto fail;
+    }
+    if (res != T3D_OK) goto fail;
+    T3D_CHECK_GOTO(t3d__store_get(comm, "shm/ready", &v, &len), res, fail);
+    if (len == 0 || ((char *)v)[0] != '1') {
+      res = t3d__set_error(comm, T3D_ERR_SYSTEM, "t3d_comm_init: rank %d of group '%s': shared memory set-up failed: "
+                           "%.*s", comm->rank, comm->name, (int)(len > 1 ? len - 2 : 0), len > 1 ? (char *)v + 1 : "");
+      goto fail;
+    }
+    free(v);
+    v = NULL;
+  }
+  read_tuning(s);
+  T3D_INFO("group '%s' rank %d: shared memory %s, %zu bytes, halves of %zu bytes", comm->name, comm->rank, s->name,
+           s->map_bytes, s->half);
+  *out = s;
+  return T3D_OK;
+fail:
+  free(v);
+  t3d__shm_fini(s);
+  return res;
+}
+
+void t3d__shm_fini(t3d_shm_t *s) {
+  if (s == NULL) return;
+  if (s->base != NULL) munmap(s->base, s->map_bytes);
+  free(s->pending);
+  free(s->srcs);
+  free(s->offs);
+  free(s);
+}
+
+/* ---------- protocol ---------- */
+
+void t3d__shm_step_begin(t3d_shm_t *s, int nphases, t3d_shm_step_t *st) {
+  st->h = (int)(s->step & 1);
+  st->base = s->phase;
+  st->first = 0;
+  st->need = s->free_at[st->h];
+  s->phase += (uint64_t)nphases;
+  s->free_at[st->h] = s->phase;
+  s->step++;
+}
+
+t3d_result_t t3d__shm_step_acquire(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step_t *st) {
+  if (s->seen_all >= st->need) return T3D_OK;
+  return t3d__shm_wait(s, ex, -1, st->need);
+}
+
+/* "rank(s) 1, 3" for the ranks among [lo, hi) below target. */
+static void describe_missing(t3d_shm_t *s, int lo, int hi, uint64_t target, char *buf, size_t len) {
+  size_t used = (size_t)snprintf(buf, len, "rank(s) ");
+  int listed = 0;
+  for (int p = lo; p < hi && used + 24 < len; p++) {
+    if (p == s->rank) continue;
+    if (atomic_load_explicit(t3d__shm_flag(s, p), memory_order_acquire) >= target) continue;
+    used += (size_t)snprintf(buf + used, len - used, "%s%d", listed++ ? ", " : "", p);
+  }
+  if (used + 24 >= len) snprintf(buf + used, len - used, ", ...");
+  snprintf(buf + strlen(buf), len - strlen(buf), " (shared memory)");
+}
+
+static t3d_result_t fail_wait(t3d_shm_t *s, t3d_exec_t *ex, int lo, int hi, uint64_t target) {
+  char names[256];
+  describe_missing(s, lo, hi, target, names, sizeof names);
+  return t3d__exec_check(ex, names);
+}
+
+t3d_result_t t3d__shm_wait(t3d_shm_t *s, t3d_exec_t *ex, int who, uint64_t target) {
+  int lo = who < 0 ? 0 : who, hi = who < 0 ? s->size : who + 1;
+  int next = lo; /* flags only grow: a rank seen at target stays there */
+  t3d_backoff_t b = {0};
+  for (unsigned it = 1;; it++) {
+    int before = next;
+    while (next < hi &&
+           (next == s->rank || atomic_load_explicit(t3d__shm_flag(s, next), memory_order_acquire) >= target))
+      next++;
+    if (next == hi) break;
+    if (next != before) t3d__backoff_reset(&b);
+    if ((it & 15) == 0 && t3d__exec_check(ex, "") != T3D_OK) return fail_wait(s, ex, lo, hi, target);
+    t3d__backoff_wait(&b);
+  }
+  if (who < 0 && target > s->seen_all) s->seen_all = target;
+  return T3D_OK;
+}
+
+t3d_result_t t3d__shm_wait_each(t3d_shm_t *s, t3d_exec_t *ex, uint64_t target, t3d_shm_peer_fn fn, void *arg) {
+  int n = s->size, cnt = 0;
+  for (int i = 1; i < n; i++) s->pending[cnt++] = (s->rank + i) % n;
+  t3d_backoff_t b = {0};
+  for (unsigned it = 1; cnt > 0; it++) {
+    int progressed = 0;
+    for (int i = 0; i < cnt;) {
+      int p = s->pending[i];
+      if (atomic_load_explicit(t3d__shm_flag(s, p), memory_order_acquire) >= target) {
+        fn(arg, p);
+        /* Keep the order (nearest rank first) for the ones left. */
+        memmove(s->pending + i, s->pending + i + 1, sizeof(int) * (size_t)(cnt - i - 1));
+        cnt--;
+        progressed = 1;
+      } else {
+        i++;
+      }
+    }
+    if (cnt == 0) break;
+    if (progressed) {
+      t3d__backoff_reset(&b);
+      continue;
+    }
+    if ((it & 15) == 0 && t3d__exec_check(ex, "") != T3D_OK) return fail_wait(s, ex, 0, n, target);
+    t3d__backoff_wait(&b);
+  }
+  if (target > s->seen_all) s->seen_all = target;
+  return T3D_OK;
+}
+
+void t3d__shm_put_info(t3d_shm_t *s, const t3d_shm_step_t *st, int kind, uint64_t sig, uint64_t aux) {
+  t3d_shm_info_t *in = t3d__shm_info(s, s->rank, st->h);
+  in->kind = (uint64_t)kind;
+  in->sig = sig;
+  in->aux = aux;
+}
+
+static const char *kind_name(uint64_t k) {
+  switch (k) {
+    case T3D_OP_ALLREDUCE: return "allreduce";
+    case T3D_OP_BROADCAST: return "broadcast";
+    case T3D_OP_REDUCE: return "reduce";
+    case T3D_OP_ALLGATHERV: return "allgather";
+    case T3D_OP_REDUCE_SCATTERV: return "reduce_scatter";
+    case T3D_OP_ALLTOALLV: return "alltoall";
+    default: return "another operation";
+  }
+}
+
+t3d_result_t t3d__shm_check_info(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step_t *st, int peer, int kind,
+                                 uint64_t sig) {
+  const t3d_shm_info_t *in = t3d__shm_info(s, peer, st->h);
+  if (in->kind == (uint64_t)kind && in->sig == sig) return T3D_OK;
+  snprintf(ex->error, sizeof ex->error,
+           "t3d: %s #%llu on group '%s' (rank %d of %d): rank %d runs %s of %llu bytes where this rank runs %s of "
+           "%llu bytes (ranks disagree on the operation or its size)",
+           ex->opname, (unsigned long long)ex->seq, ex->comm->name, ex->rank, ex->size, peer, kind_name(in->kind),
+           (unsigned long long)in->sig, kind_name((uint64_t)kind), (unsigned long long)sig);
+  return T3D_ERR_MISMATCH;
+}

@@ -1,0 +1,405 @@
+/* t3d_bench_c.c: collective benchmark of the C library, no torch. Forks N ranks as processes that meet through a
+ * small file store, times allreduce / allgather / reduce_scatter / alltoall / broadcast over a range of float32
+ * sizes and prints nccl-tests style columns (size, count, type, redop, time, algbw, busbw, #wrong), for the default
+ * transport (shared memory on one host) and/or UCX only, side by side. */
+#include "t3d.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <getopt.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+/* ---------- file store: one file per key, written to a temporary name and renamed into place ---------- */
+
+typedef struct {
+  char dir[256];
+} fstore_t;
+
+static void key_path(const fstore_t *fs, const char *key, char *out, size_t len) {
+  size_t at = (size_t)snprintf(out, len, "%s/", fs->dir);
+  for (const char *c = key; *c && at + 4 < len; c++) {
+    unsigned char u = (unsigned char)*c;
+    if ((u >= 'a' && u <= 'z') || (u >= 'A' && u <= 'Z') || (u >= '0' && u <= '9') || u == '-' || u == '_') {
+      out[at++] = (char)u;
+    } else {
+      at += (size_t)snprintf(out + at, len - at, "%%%02x", u);
+    }
+  }
+  out[at] = '\0';
+}
+
+static t3d_result_t fs_set(void *ctx, const char *key, const void *value, size_t len) {
+  fstore_t *fs = ctx;
+  char path[1024], tmp[1100];
+  key_path(fs, key, path, sizeof path);
+  static unsigned counter;
+  snprintf(tmp, sizeof tmp, "%s/.tmp-%d-%u", fs->dir, (int)getpid(), counter++);
+  int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+  if (fd < 0) return T3D_ERR_SYSTEM;
+  const char *p = value;
+  while (len > 0) {
+    ssize_t w = write(fd, p, len);
+    if (w < 0 && errno == EINTR) continue;
+    if (w < 0) {
+      close(fd);
+      return T3D_ERR_SYSTEM;
+    }
+    p += w;
+    len -= (size_t)w;
+  }
+  close(fd);
+  return rename(tmp, path) == 0 ? T3D_OK : T3D_ERR_SYSTEM;
+}
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static t3d_result_t fs_get(void *ctx, const char *key, void **value, size_t *len, int64_t timeout_ms) {
+  fstore_t *fs = ctx;
+  char path[1024];
+  key_path(fs, key, path, sizeof path);
+  double until = now_s() + (double)timeout_ms / 1000.0;
+  for (;;) {
+    int fd = open(path, O_RDONLY);
+    if (fd >= 0) {
+      struct stat st;
+      if (fstat(fd, &st) != 0) {
+        close(fd);
+        return T3D_ERR_SYSTEM;
+      }
+      size_t n = (size_t)st.st_size, got = 0;
+      char *buf = malloc(n + 1);
+      if (buf == NULL) {
+        close(fd);
+        return T3D_ERR_NO_MEMORY;
+      }
+      while (got < n) {
+        ssize_t r = read(fd, buf + got, n - got);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) break;
+        got += (size_t)r;
+      }
+      close(fd);
+      *value = buf;
+      *len = got;
+      return T3D_OK;
+    }
+    if (timeout_ms >= 0 && now_s() > until) return T3D_ERR_TIMEOUT;
+    struct timespec ts = {0, 200000};
+    nanosleep(&ts, NULL);
+  }
+}
+
+static void fs_remove(const fstore_t *fs) {
+  char cmd[400];
+  snprintf(cmd, sizeof cmd, "rm -rf '%s'", fs->dir);
+  if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", fs->dir);
+}
+
+/* ---------- options ---------- */
+
+enum { OP_ALLREDUCE, OP_ALLGATHER, OP_REDUCE_SCATTER, OP_ALLTOALL, OP_BROADCAST, OP_COUNT };
+static const char *op_names[OP_COUNT] = {"allreduce", "allgather", "reduce_scatter", "alltoall", "broadcast"};
+
+typedef struct {
+  int nranks;
+  size_t minb, maxb;
+  int factor;
+  int ops[OP_COUNT];
+  int transports; /* bit 0: auto, bit 1: ucx */
+  int check;
+  int warmup, iters; /* 0: by size */
+} opts_t;
+
+static size_t parse_size(const char *s) {
+  char *end;
+  double v = strtod(s, &end);
+  switch (*end) {
+    case 'K': case 'k': v *= 1024; break;
+    case 'M': case 'm': v *= 1024 * 1024; break;
+    case 'G': case 'g': v *= 1024.0 * 1024 * 1024; break;
+    default: break;
+  }
+  return (size_t)v;
+}
+
+static void usage(const char *argv0) {
+  fprintf(stderr,
+          "usage: %s [-n ranks] [-b minbytes] [-e maxbytes] [-f factor] [-o op[,op...]] [-t auto|ucx|both]\n"
+          "          [-w warmup] [-i iters] [-c 0|1]\n"
+          "  ops: allreduce, allgather, reduce_scatter, alltoall, broadcast (default: all)\n"
+          "  sizes are total bytes as in nccl-tests (K/M/G suffixes); float32, sum; default 8 B .. 256 MiB x2\n"
+          "  -t both runs every size on two communicators: the default transport (shared memory on one host) and\n"
+          "     T3D_TRANSPORT=ucx; iterations default to about 256 MiB of traffic per size (5 .. 2000)\n",
+          argv0);
+  exit(2);
+}
+
+/* ---------- one rank ---------- */
+
+typedef struct {
+  double *times;        /* shared: per rank, mean seconds of the last measurement */
+  long long *wrong;     /* shared: per rank, wrong elements of the last check */
+} shared_t;
+
+static int fail(int rank, const char *what, t3d_comm_t *c, t3d_result_t r) {
+  fprintf(stderr, "rank %d: %s -> %s: %s\n", rank, what, t3d_result_string(r), c ? t3d_comm_last_error(c) : "");
+  return 1;
+}
+
+static t3d_result_t run_once(t3d_comm_t *c, int op, float *sb, float *rb, size_t count, int n) {
+  t3d_request_t *req = NULL;
+  t3d_result_t r;
+  switch (op) {
+    case OP_ALLREDUCE: r = t3d_allreduce(c, sb, rb, count, T3D_FLOAT32, T3D_SUM, NULL, &req); break;
+    case OP_ALLGATHER: r = t3d_allgather(c, sb, rb, count / (size_t)n, T3D_FLOAT32, NULL, &req); break;
+    case OP_REDUCE_SCATTER:
+      r = t3d_reduce_scatter(c, sb, rb, count / (size_t)n, T3D_FLOAT32, T3D_SUM, NULL, &req);
+      break;
+    case OP_ALLTOALL: r = t3d_alltoall(c, sb, rb, count / (size_t)n, T3D_FLOAT32, NULL, &req); break;
+    default: r = t3d_broadcast(c, rb, count, T3D_FLOAT32, 0, NULL, &req); break;
+  }
+  if (r != T3D_OK) return r;
+  r = t3d_wait(req, -1);
+  t3d_request_free(req);
+  return r;
+}
+
+static t3d_result_t barrier(t3d_comm_t *c) {
+  t3d_request_t *req = NULL;
+  t3d_result_t r = t3d_barrier(c, NULL, &req);
+  if (r != T3D_OK) return r;
+  r = t3d_wait(req, -1);
+  t3d_request_free(req);
+  return r;
+}
+
+/* Small exact integers, so every sum is exact in float32 and the check needs no tolerance. */
+static float value(int rank, size_t i) { return (float)((rank + 1) + (int)(i % 7)); }
+
+static long long check(t3d_comm_t *c, int op, float *sb, float *rb, size_t count, int n, int rank) {
+  size_t per = count / (size_t)n;
+  for (size_t i = 0; i < count; i++) sb[i] = value(rank, i);
+  if (op == OP_BROADCAST)
+    for (size_t i = 0; i < count; i++) rb[i] = rank == 0 ? value(0, i) : -1.0f;
+  if (op == OP_ALLGATHER)
+    for (size_t i = 0; i < per; i++) sb[i] = value(rank, rank * per + i);
+  if (run_once(c, op, sb, rb, count, n) != T3D_OK) return -1;
+  long long wrong = 0;
+  int tri = n * (n + 1) / 2;
+  switch (op) {
+    case OP_ALLREDUCE:
+      for (size_t i = 0; i < count; i++) wrong += rb[i] != (float)(tri + n * (int)(i % 7));
+      break;
+    case OP_REDUCE_SCATTER:
+      for (size_t i = 0; i < per; i++) wrong += rb[i] != (float)(tri + n * (int)((rank * per + i) % 7));
+      break;
+    case OP_ALLGATHER:
+      for (size_t i = 0; i < per * (size_t)n; i++) wrong += rb[i] != value((int)(i / per), i);
+      break;
+    case OP_ALLTOALL: /* block p of what we receive is block `rank` of p's input */
+      for (size_t i = 0; i < per * (size_t)n; i++) wrong += rb[i] != value((int)(i / per), rank * per + i % per);
+      break;
+    default:
+      for (size_t i = 0; i < count; i++) wrong += rb[i] != value(0, i);
+      break;
+  }
+  return wrong;
+}
+
+static double bus_factor(int op, int n) {
+  switch (op) {
+    case OP_ALLREDUCE: return 2.0 * (n - 1) / n;
+    case OP_BROADCAST: return 1.0;
+    default: return (double)(n - 1) / n;
+  }
+}
+
+static int rank_main(const opts_t *o, int rank, const fstore_t *fs, shared_t *sh) {
+  t3d_store_t store = {(void *)fs, fs_set, fs_get};
+  t3d_comm_t *comms[2] = {NULL, NULL};
+  const char *tnames[2] = {"auto", "ucx"};
+  for (int t = 0; t < 2; t++) {
+    if (!(o->transports & (1 << t))) continue;
+    t3d_config_t cfg;
+    t3d_config_init(&cfg);
+    cfg.name = tnames[t];
+    cfg.key_prefix = tnames[t];
+    cfg.transport = t == 1 ? "ucx" : NULL;
+    cfg.timeout_ms = 600000;
+    t3d_result_t r = t3d_comm_init(&comms[t], rank, o->nranks, &store, &cfg);
+    if (r != T3D_OK) return fail(rank, "t3d_comm_init", NULL, r);
+  }
+  size_t maxcount = o->maxb / 4 + 1;
+  float *sb = NULL, *rb = NULL;
+  if (posix_memalign((void **)&sb, 4096, maxcount * 4) != 0 || posix_memalign((void **)&rb, 4096, maxcount * 4) != 0)
+    return fail(rank, "out of memory for buffers", NULL, T3D_ERR_NO_MEMORY);
+  memset(sb, 0, maxcount * 4);
+  memset(rb, 0, maxcount * 4);
+  int n = o->nranks;
+  for (int op = 0; op < OP_COUNT; op++) {
+    if (!o->ops[op]) continue;
+    if (rank == 0) {
+      printf("\n# %s, %d ranks, float32%s; time = slowest rank's mean per call (issue + wait)\n", op_names[op], n,
+             op == OP_ALLREDUCE || op == OP_REDUCE_SCATTER ? " sum" : "");
+      printf("# %12s %12s %6s %5s", "size(B)", "count", "type", "redop");
+      for (int t = 0; t < 2; t++)
+        if (o->transports & (1 << t))
+          printf(" | %-4s %10s %8s %8s %6s", t == 0 ? "auto" : "ucx", "time(us)", "algbw", "busbw", "#wrong");
+      printf("\n");
+      fflush(stdout);
+    }
+    for (size_t bytes = o->minb; bytes <= o->maxb; bytes = bytes * (size_t)o->factor) {
+      size_t count = bytes / 4;
+      if (op != OP_ALLREDUCE && op != OP_BROADCAST) count = count / (size_t)n * (size_t)n;
+      if (count == 0) count = op == OP_ALLREDUCE || op == OP_BROADCAST ? 1 : (size_t)n;
+      size_t real = count * 4;
+      int iters = o->iters > 0 ? o->iters : (int)(256.0 * 1024 * 1024 / (double)real);
+      if (o->iters <= 0) iters = iters < 5 ? 5 : iters > 2000 ? 2000 : iters;
+      int warm = o->warmup > 0 ? o->warmup : (iters / 10 < 2 ? 2 : iters / 10);
+      double tm[2] = {0, 0};
+      long long wr[2] = {0, 0};
+      for (int t = 0; t < 2; t++) {
+        t3d_comm_t *c = comms[t];
+        if (c == NULL) continue;
+        for (int i = 0; i < warm; i++)
+          if (run_once(c, op, sb, rb, count, n) != T3D_OK) return fail(rank, op_names[op], c, T3D_ERR_INTERNAL);
+        if (barrier(c) != T3D_OK) return fail(rank, "barrier", c, T3D_ERR_INTERNAL);
+        double t0 = now_s();
+        for (int i = 0; i < iters; i++) {
+          t3d_result_t r = run_once(c, op, sb, rb, count, n);
+          if (r != T3D_OK) return fail(rank, op_names[op], c, r);
+        }
+        sh->times[rank] = (now_s() - t0) / iters;
+        sh->wrong[rank] = o->check ? check(c, op, sb, rb, count, n, rank) : 0;
+        if (barrier(c) != T3D_OK) return fail(rank, "barrier", c, T3D_ERR_INTERNAL);
+        for (int p = 0; p < n; p++) {
+          if (sh->times[p] > tm[t]) tm[t] = sh->times[p];
+          wr[t] += sh->wrong[p] < 0 ? 1000000000LL : sh->wrong[p];
+        }
+        /* Nobody writes the shared slots again before rank 0 has read them: the next measurement needs it. */
+        if (barrier(c) != T3D_OK) return fail(rank, "barrier", c, T3D_ERR_INTERNAL);
+      }
+      if (rank == 0) {
+        printf("  %12zu %12zu %6s %5s", real, count, "float", op == OP_ALLREDUCE || op == OP_REDUCE_SCATTER ? "sum" : "-");
+        for (int t = 0; t < 2; t++) {
+          if (comms[t] == NULL) continue;
+          double algbw = (double)real / tm[t] / 1e9;
+          printf(" | %-4s %10.2f %8.3f %8.3f %6lld", t == 0 ? "auto" : "ucx", tm[t] * 1e6, algbw,
+                 algbw * bus_factor(op, n), wr[t]);
+        }
+        printf("\n");
+        fflush(stdout);
+      }
+    }
+  }
+  for (int t = 0; t < 2; t++)
+    if (comms[t] != NULL) t3d_comm_destroy(comms[t]);
+  free(sb);
+  free(rb);
+  return 0;
+}
+
+/* One process copying a 64 MiB buffer: the machine's memory-copy bandwidth, the physical reference. */
+static void print_memcpy_reference(void) {
+  size_t n = 64u << 20;
+  char *a = malloc(n), *b = malloc(n);
+  if (a == NULL || b == NULL) return;
+  memset(a, 1, n);
+  memset(b, 2, n);
+  double best = 1e9;
+  for (int i = 0; i < 5; i++) {
+    double t0 = now_s();
+    memcpy(b, a, n);
+    double dt = now_s() - t0;
+    if (dt < best) best = dt;
+  }
+  printf("# memcpy reference (one process, 64 MiB): %.2f GB/s one-way\n", (double)n / best / 1e9);
+  free(a);
+  free(b);
+}
+
+int main(int argc, char **argv) {
+  opts_t o = {.nranks = 2, .minb = 8, .maxb = 256u << 20, .factor = 2, .transports = 3, .check = 1};
+  for (int i = 0; i < OP_COUNT; i++) o.ops[i] = 1;
+  int c;
+  while ((c = getopt(argc, argv, "n:b:e:f:o:t:w:i:c:h")) != -1) {
+    switch (c) {
+      case 'n': o.nranks = atoi(optarg); break;
+      case 'b': o.minb = parse_size(optarg); break;
+      case 'e': o.maxb = parse_size(optarg); break;
+      case 'f': o.factor = atoi(optarg); break;
+      case 'w': o.warmup = atoi(optarg); break;
+      case 'i': o.iters = atoi(optarg); break;
+      case 'c': o.check = atoi(optarg); break;
+      case 't':
+        if (strcmp(optarg, "auto") == 0) o.transports = 1;
+        else if (strcmp(optarg, "ucx") == 0) o.transports = 2;
+        else if (strcmp(optarg, "both") == 0) o.transports = 3;
+        else usage(argv[0]);
+        break;
+      case 'o': {
+        for (int i = 0; i < OP_COUNT; i++) o.ops[i] = 0;
+        char *list = strdup(optarg);
+        for (char *tok = strtok(list, ","); tok != NULL; tok = strtok(NULL, ",")) {
+          int found = 0;
+          for (int i = 0; i < OP_COUNT; i++)
+            if (strcmp(tok, op_names[i]) == 0) o.ops[i] = found = 1;
+          if (!found) usage(argv[0]);
+        }
+        free(list);
+        break;
+      }
+      default: usage(argv[0]);
+    }
+  }
+  if (o.nranks < 1 || o.factor < 2 || o.minb < 1 || o.maxb < o.minb) usage(argv[0]);
+  printf("# t3d_bench_c: %d ranks (processes), t3d %s, %s\n", o.nranks, t3d_version_string(),
+         t3d_ucx_version_string());
+  print_memcpy_reference();
+  fflush(stdout);
+
+  fstore_t fs;
+  snprintf(fs.dir, sizeof fs.dir, "/tmp/t3d-bench-%d", (int)getpid());
+  if (mkdir(fs.dir, 0700) != 0) {
+    perror("mkdir");
+    return 1;
+  }
+  shared_t sh;
+  void *mem = mmap(NULL, (size_t)o.nranks * (sizeof(double) + sizeof(long long)), PROT_READ | PROT_WRITE,
+                   MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  if (mem == MAP_FAILED) return 1;
+  sh.times = mem;
+  sh.wrong = (long long *)(sh.times + o.nranks);
+  pid_t *pids = calloc((size_t)o.nranks, sizeof(pid_t));
+  for (int r = 0; r < o.nranks; r++) {
+    pids[r] = fork();
+    if (pids[r] == 0) _exit(rank_main(&o, r, &fs, &sh));
+    if (pids[r] < 0) {
+      perror("fork");
+      return 1;
+    }
+  }
+  int rc = 0;
+  for (int r = 0; r < o.nranks; r++) {
+    int st = 0;
+    waitpid(pids[r], &st, 0);
+    if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) {
+      fprintf(stderr, "rank %d failed (status 0x%x)\n", r, st);
+      rc = 1;
+    }
+  }
+  fs_remove(&fs);
+  free(pids);
+  return rc;
+}

@@ -1,0 +1,198 @@
+/* kernels.c: the data movers of the shared-memory collectives: copies with optional non-temporal stores and an
+ * n-source reduction (one pass over all sources; AVX-512 for float32 / float64 sum, tiles through t3d__reduce for
+ * the rest). Chosen at run time from what the CPU has. */
+#include "shm.h"
+
+#include <string.h>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define T3D_SHM_X86 1
+#endif
+
+enum { ISA_NONE = 0, ISA_AVX = 1, ISA_AVX512 = 2 };
+
+static int isa(void) {
+  static int cached = -1;
+  int v = __atomic_load_n(&cached, __ATOMIC_RELAXED);
+  if (v >= 0) return v;
+  v = ISA_NONE;
+#ifdef T3D_SHM_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f")) v = ISA_AVX512;
+  else if (__builtin_cpu_supports("avx")) v = ISA_AVX;
+#endif
+  __atomic_store_n(&cached, v, __ATOMIC_RELAXED);
+  return v;
+}
+
+int t3d__shm_nt_available(void) { return isa() != ISA_NONE; }
+
+/* ---------- copies ---------- */
+
+#ifdef T3D_SHM_X86
+/* Stores that bypass the cache: the destination (a user buffer larger than the caches) is not read back soon, and
+ * a normal store would first read every line it writes. */
+__attribute__((target("avx512f"))) static void copy_nt_avx512(char *d, const char *s, size_t n) {
+  size_t head = (64 - ((uintptr_t)d & 63)) & 63;
+  if (head > n) head = n;
+  memcpy(d, s, head);
+  d += head;
+  s += head;
+  n -= head;
+  for (; n >= 256; n -= 256, d += 256, s += 256) {
+    __m512i a = _mm512_loadu_si512((const void *)s), b = _mm512_loadu_si512((const void *)(s + 64));
+    __m512i c = _mm512_loadu_si512((const void *)(s + 128)), e = _mm512_loadu_si512((const void *)(s + 192));
+    _mm512_stream_si512((void *)d, a);
+    _mm512_stream_si512((void *)(d + 64), b);
+    _mm512_stream_si512((void *)(d + 128), c);
+    _mm512_stream_si512((void *)(d + 192), e);
+  }
+  for (; n >= 64; n -= 64, d += 64, s += 64) _mm512_stream_si512((void *)d, _mm512_loadu_si512((const void *)s));
+  memcpy(d, s, n);
+  _mm_sfence();
+}
+
+__attribute__((target("avx"))) static void copy_nt_avx(char *d, const char *s, size_t n) {
+  size_t head = (32 - ((uintptr_t)d & 31)) & 31;
+  if (head > n) head = n;
+  memcpy(d, s, head);
+  d += head;
+  s += head;
+  n -= head;
+  for (; n >= 128; n -= 128, d += 128, s += 128) {
+    __m256i a = _mm256_loadu_si256((const __m256i *)s), b = _mm256_loadu_si256((const __m256i *)(s + 32));
+    __m256i c = _mm256_loadu_si256((const __m256i *)(s + 64)), e = _mm256_loadu_si256((const __m256i *)(s + 96));
+    _mm256_stream_si256((__m256i *)d, a);
+    _mm256_stream_si256((__m256i *)(d + 32), b);
+    _mm256_stream_si256((__m256i *)(d + 64), c);
+    _mm256_stream_si256((__m256i *)(d + 96), e);
+  }
+  for (; n >= 32; n -= 32, d += 32, s += 32)
+    _mm256_stream_si256((__m256i *)d, _mm256_loadu_si256((const __m256i *)s));
+  memcpy(d, s, n);
+  _mm_sfence();
+}
+#endif
+
+void t3d__shm_copy(void *dst, const void *src, size_t n, int nt) {
+  if (n == 0 || dst == src) return;
+#ifdef T3D_SHM_X86
+  if (nt && n >= 1024) {
+    int v = isa();
+    if (v == ISA_AVX512) {
+      copy_nt_avx512(dst, src, n);
+      return;
+    }
+    if (v == ISA_AVX) {
+      copy_nt_avx(dst, src, n);
+      return;
+    }
+  }
+#endif
+  memcpy(dst, src, n);
+}
+
+/* ---------- reductions ---------- */
+
+#ifdef T3D_SHM_X86
+/* Sums element by element in source order; the scalar tail adds in the same order, so the result does not depend
+ * on where a vector block starts (every rank gets the same bits). */
+#define DEFINE_SUM_AVX512(NAME, T, V, LOAD, ADD, STORE, STREAM, LANES)                                        \
+  __attribute__((target("avx512f"))) static void NAME(T *d, T *d2, const T *const *s, int ns, size_t n,         \
+                                                      int nt) {                                                \
+    size_t i = 0;                                                                                              \
+    /* The non-temporal destination needs 64-byte alignment: reach it with scalar elements first. */           \
+    if (d2 != NULL && nt) {                                                                                    \
+      if (((uintptr_t)d2 % sizeof(T)) != 0) nt = 0;                                                            \
+      for (; nt && i < n && ((uintptr_t)(d2 + i) & 63) != 0; i++) {                                            \
+        T acc = s[0][i];                                                                                       \
+        for (int p = 1; p < ns; p++) acc += s[p][i];                                                           \
+        d[i] = acc;                                                                                            \
+        d2[i] = acc;                                                                                           \
+      }                                                                                                        \
+    }                                                                                                          \
+    for (; i + 4 * LANES <= n; i += 4 * LANES) {                                                               \
+      V a0 = LOAD(s[0] + i), a1 = LOAD(s[0] + i + LANES);                                                      \
+      V a2 = LOAD(s[0] + i + 2 * LANES), a3 = LOAD(s[0] + i + 3 * LANES);                                      \
+      for (int p = 1; p < ns; p++) {                                                                           \
+        const T *q = s[p] + i;                                                                                 \
+        a0 = ADD(a0, LOAD(q));                                                                                 \
+        a1 = ADD(a1, LOAD(q + LANES));                                                                         \
+        a2 = ADD(a2, LOAD(q + 2 * LANES));                                                                     \
+        a3 = ADD(a3, LOAD(q + 3 * LANES));                                                                     \
+      }                                                                                                        \
+      STORE(d + i, a0);                                                                                        \
+      STORE(d + i + LANES, a1);                                                                                \
+      STORE(d + i + 2 * LANES, a2);                                                                            \
+      STORE(d + i + 3 * LANES, a3);                                                                            \
+      if (d2 != NULL) {                                                                                        \
+        if (nt) {                                                                                              \
+          STREAM(d2 + i, a0);                                                                                  \
+          STREAM(d2 + i + LANES, a1);                                                                          \
+          STREAM(d2 + i + 2 * LANES, a2);                                                                      \
+          STREAM(d2 + i + 3 * LANES, a3);                                                                      \
+        } else {                                                                                               \
+          STORE(d2 + i, a0);                                                                                   \
+          STORE(d2 + i + LANES, a1);                                                                           \
+          STORE(d2 + i + 2 * LANES, a2);                                                                       \
+          STORE(d2 + i + 3 * LANES, a3);                                                                       \
+        }                                                                                                      \
+      }                                                                                                        \
+    }                                                                                                          \
+    for (; i < n; i++) {                                                                                       \
+      T acc = s[0][i];                                                                                         \
+      for (int p = 1; p < ns; p++) acc += s[p][i];                                                             \
+      d[i] = acc;                                                                                              \
+      if (d2 != NULL) d2[i] = acc;                                                                             \
+    }                                                                                                          \
+    if (d2 != NULL && nt) _mm_sfence();                                                                        \
+  }
+
+DEFINE_SUM_AVX512(sum_f32_avx512, float, __m512, _mm512_loadu_ps, _mm512_add_ps, _mm512_storeu_ps,
+                  _mm512_stream_ps, 16)
+DEFINE_SUM_AVX512(sum_f64_avx512, double, __m512d, _mm512_loadu_pd, _mm512_add_pd, _mm512_storeu_pd,
+                  _mm512_stream_pd, 8)
+#endif
+
+/* A tile small enough for L1: every source is read once per tile and the destinations written from it, so a
+ * destination that coincides with a source is only written after the source's tile was read. */
+#define TILE_BYTES 8192
+
+static void reduce_tiled(char *d, char *d2, const void *const *src, int ns, size_t n, t3d_dtype_t dt,
+                         t3d_redop_t op, int nt2) {
+  _Alignas(64) char tile[TILE_BYTES];
+  size_t es = t3d_dtype_size(dt), per = TILE_BYTES / es;
+  for (size_t i = 0; i < n; i += per) {
+    size_t m = n - i < per ? n - i : per, off = i * es;
+    memcpy(tile, (const char *)src[0] + off, m * es);
+    for (int p = 1; p < ns; p++) t3d__reduce(tile, (const char *)src[p] + off, m, dt, op);
+    memcpy(d + off, tile, m * es);
+    if (d2 != NULL) t3d__shm_copy(d2 + off, tile, m * es, nt2);
+  }
+}
+
+void t3d__shm_reduce_n(void *dst, void *dst2, const void *const *src, int nsrc, size_t n, t3d_dtype_t dt,
+                       t3d_redop_t op, int nt2) {
+  if (n == 0) return;
+  if (nsrc == 1) {
+    /* Nothing to combine: a copy (src may be dst itself). */
+    size_t bytes = n * t3d_dtype_size(dt);
+    if (dst != src[0]) memmove(dst, src[0], bytes);
+    if (dst2 != NULL && dst2 != dst) t3d__shm_copy(dst2, dst, bytes, nt2);
+    return;
+  }
+#ifdef T3D_SHM_X86
+  if (op == T3D_SUM && isa() == ISA_AVX512) {
+    if (dt == T3D_FLOAT32) {
+      sum_f32_avx512(dst, dst2, (const float *const *)src, nsrc, n, nt2);
+      return;
+    }
+    if (dt == T3D_FLOAT64) {
+      sum_f64_avx512(dst, dst2, (const double *const *)src, nsrc, n, nt2);
+      return;
+    }
+  }
+#endif
+  reduce_tiled(dst, dst2, src, nsrc, n, dt, op, nt2);
+}

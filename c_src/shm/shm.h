@@ -1,0 +1,112 @@
+/* shm.h: what the files of c_src/shm share: the layout of a communicator's shared-memory segment, the per-rank
+ * state, the flag protocol (steps, phases, waits) and the copy / reduce kernels. */
+#ifndef T3D_SHM_H
+#define T3D_SHM_H
+
+#include "comm.h"
+
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+
+/* Segment layout (every part 4 KiB aligned):
+ *   header   one page: magic, rank count, bytes per half (rank 0 decides; the others adopt it)
+ *   control  per rank T3D_SHM_CTRL_STRIDE bytes: its progress flag alone in the first 128 bytes (the adjacent-line
+ *            prefetcher fetches lines in pairs), then one 64-byte op-info line per half
+ *   data     per rank two halves of `half` bytes; step t of the communicator uses half t & 1 of every rank
+ * A rank writes only its own flag, info lines and halves. */
+#define T3D_SHM_MAGIC 0x3130304d48534433ull /* "3DSHM001" */
+#define T3D_SHM_CTRL_STRIDE 256
+#define T3D_SHM_INFO_OFFSET 128
+#define T3D_SHM_PAGE 4096
+
+typedef struct t3d_shm_header {
+  uint64_t magic;
+  uint64_t nranks;
+  uint64_t half;
+  uint64_t total;
+} t3d_shm_header_t;
+
+/* Written by a rank into the info line of the half it uses, before it publishes the first step of an operation;
+ * readers compare it with their own view of the operation to catch ranks that disagree. */
+typedef struct t3d_shm_info {
+  uint64_t kind; /* T3D_OP_* of the operation */
+  uint64_t sig;  /* size signature: what all ranks must agree on */
+  uint64_t aux;  /* alltoallv: the largest block this rank sends */
+} t3d_shm_info_t;
+
+struct t3d_shm {
+  char *base;
+  size_t map_bytes;
+  int rank, size;
+  char *ctrl, *data;
+  size_t half; /* bytes of one half */
+  /* Protocol state, identical on every rank because every rank runs the same operations in the same order. */
+  uint64_t phase;      /* the last phase value handed out */
+  uint64_t step;       /* steps begun (selects the half) */
+  uint64_t free_at[2]; /* phase every rank must have reached before half h may be written again */
+  uint64_t seen_all;   /* a phase every rank is known to have reached */
+  /* Tuning, read once at init. */
+  size_t oneshot_max; /* allreduce / reduce up to this many bytes: one-shot */
+  size_t chunk;       /* allreduce / reduce above it: bytes per reduce-scatter + allgather step */
+  size_t nt_min;      /* operations of at least this many bytes write user buffers with non-temporal stores
+                       * (measured here: they win from 4 MiB, lose at 2 MiB, where the output still fits the caches) */
+  int nt;             /* the CPU has a non-temporal store path */
+  int *pending;       /* scratch: ranks still awaited */
+  const void **srcs;  /* scratch: one source per rank */
+  size_t *offs;       /* scratch: one offset per rank */
+  char name[64];
+};
+
+static inline _Atomic uint64_t *t3d__shm_flag(const t3d_shm_t *s, int p) {
+  return (_Atomic uint64_t *)(void *)(s->ctrl + (size_t)p * T3D_SHM_CTRL_STRIDE);
+}
+static inline t3d_shm_info_t *t3d__shm_info(const t3d_shm_t *s, int p, int h) {
+  return (t3d_shm_info_t *)(void *)(s->ctrl + (size_t)p * T3D_SHM_CTRL_STRIDE + T3D_SHM_INFO_OFFSET + 64 * h);
+}
+static inline char *t3d__shm_half(const t3d_shm_t *s, int p, int h) {
+  return s->data + ((size_t)p * 2 + (size_t)h) * s->half;
+}
+
+/* ---------- protocol (shm.c) ----------
+ * Each rank has one monotonically increasing flag. An operation is a sequence of steps; a step hands out a few
+ * consecutive phase values (base + 1 .. base + k) and a rank stores base + j in its flag (release) once it has done
+ * everything phase j of the step asks of it. Readers wait (acquire) until a peer's flag reaches the phase they need.
+ * Before writing half h a rank waits until every rank has finished the previous step that used h: double
+ * buffering, so that step t + 1 proceeds while slow ranks still read step t, and no barrier between operations. */
+typedef struct t3d_shm_step {
+  int h;         /* the half this step uses */
+  uint64_t base; /* phases base + 1 .. base + nphases */
+  uint64_t need; /* every rank past this phase before the half may be written */
+  int first;     /* the operation's first step */
+} t3d_shm_step_t;
+
+void t3d__shm_step_begin(t3d_shm_t *s, int nphases, t3d_shm_step_t *st);
+/* Waits until half st->h may be written (every rank past its previous use). */
+t3d_result_t t3d__shm_step_acquire(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step_t *st);
+static inline void t3d__shm_post(t3d_shm_t *s, uint64_t value) {
+  atomic_store_explicit(t3d__shm_flag(s, s->rank), value, memory_order_release);
+}
+/* Waits until rank `who` (-1: every other rank) has reached phase `target`. */
+t3d_result_t t3d__shm_wait(t3d_shm_t *s, t3d_exec_t *ex, int who, uint64_t target);
+/* Calls fn for every other rank as soon as it reaches `target` (ranks after this one first). */
+typedef void (*t3d_shm_peer_fn)(void *arg, int peer);
+t3d_result_t t3d__shm_wait_each(t3d_shm_t *s, t3d_exec_t *ex, uint64_t target, t3d_shm_peer_fn fn, void *arg);
+/* Writes this rank's info line for the half of st (first step of an operation only). */
+void t3d__shm_put_info(t3d_shm_t *s, const t3d_shm_step_t *st, int kind, uint64_t sig, uint64_t aux);
+/* After waiting for peer's first phase: T3D_ERR_MISMATCH (with ex->error) unless it runs the same operation. */
+t3d_result_t t3d__shm_check_info(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step_t *st, int peer, int kind,
+                                 uint64_t sig);
+
+/* ---------- kernels (kernels.c) ---------- */
+/* Nonzero when a non-temporal store path exists on this CPU (AVX-512F or AVX). */
+int t3d__shm_nt_available(void);
+/* memcpy, with non-temporal stores when nt (then ends with a store fence, so a flag published after it orders). */
+void t3d__shm_copy(void *dst, const void *src, size_t n, int nt);
+/* dst[i] = src[0][i] op src[1][i] op ... op src[nsrc-1][i], in that order, for n elements; also into dst2 when not
+ * NULL (non-temporal when nt2). A destination may coincide with a source element for element (in place), never
+ * overlap it otherwise. op is one of SUM..BXOR on a non-half dtype. */
+void t3d__shm_reduce_n(void *dst, void *dst2, const void *const *src, int nsrc, size_t n, t3d_dtype_t dt,
+                       t3d_redop_t op, int nt2);
+
+#endif /* T3D_SHM_H */

@@ -1,0 +1,389 @@
+/* shm_coll.c: the collectives over a communicator's shared-memory segment. Small allreduce / reduce one-shot (every
+ * rank copies its vector into its half, then reduces all halves in rank order); large ones reduce-scatter +
+ * allgather in chunks (each rank reduces one slice of the chunk straight from the halves and its own input). The
+ * data movers (broadcast, allgatherv, alltoallv) stream through the halves a step at a time, double-buffered. */
+#include "shm.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static size_t min_sz(size_t a, size_t b) { return a < b ? a : b; }
+
+static int overlap(const void *a, size_t na, const void *b, size_t nb) {
+  uintptr_t x = (uintptr_t)a, y = (uintptr_t)b;
+  return na > 0 && nb > 0 && x < y + nb && y < x + na;
+}
+
+/* Elements per 64-byte line: slices start on cache lines, so that two ranks never write the same line. */
+static size_t line_elems(size_t es) { return es != 0 && 64 % es == 0 ? 64 / es : 1; }
+
+static t3d_result_t check_all_info(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step_t *st, int kind, uint64_t sig) {
+  for (int p = 0; p < s->size; p++)
+    if (p != s->rank) T3D_CHECK(t3d__shm_check_info(s, ex, st, p, kind, sig));
+  return T3D_OK;
+}
+
+/* ---------- allreduce and reduce ---------- */
+
+/* Every rank's whole vector goes into its half; the reducing ranks fold all halves in rank order, so every rank
+ * computes the same bits. root < 0: allreduce. */
+static t3d_result_t reduce_oneshot(t3d_shm_t *s, t3d_exec_t *ex, const void *sendbuf, void *recvbuf, size_t count,
+                                   t3d_dtype_t dt, t3d_redop_t op, int root, int kind) {
+  int n = s->size, me = s->rank;
+  size_t bytes = count * t3d_dtype_size(dt);
+  t3d_shm_step_t st;
+  t3d__shm_step_begin(s, 2, &st);
+  /* The root of a reduce reads its own input in place; everybody else publishes it. */
+  if (root != me) {
+    T3D_CHECK(t3d__shm_step_acquire(s, ex, &st));
+    t3d__shm_put_info(s, &st, kind, bytes, 0);
+    memcpy(t3d__shm_half(s, me, st.h), sendbuf, bytes);
+  }
+  if (root >= 0 && root != me) {
+    t3d__shm_post(s, st.base + 2); /* nothing to read */
+    return T3D_OK;
+  }
+  t3d__shm_post(s, st.base + 1);
+  T3D_CHECK(t3d__shm_wait(s, ex, -1, st.base + 1));
+  for (int p = 0; p < n; p++) {
+    if (p != me) T3D_CHECK(t3d__shm_check_info(s, ex, &st, p, kind, bytes));
+    s->srcs[p] = p == me ? sendbuf : t3d__shm_half(s, p, st.h);
+  }
+  t3d__shm_reduce_n(recvbuf, NULL, s->srcs, n, count, dt, op, 0);
+  t3d__shm_post(s, st.base + 2);
+  return T3D_OK;
+}
+
+typedef struct {
+  t3d_shm_t *s;
+  int h, nt;
+  char *out;       /* user output at the chunk's start */
+  size_t es, m, sl; /* chunk elements, slice elements */
+} slice_copy_t;
+
+static void slice_bounds(size_t m, size_t sl, int q, size_t *lo, size_t *hi) {
+  *lo = min_sz((size_t)q * sl, m);
+  *hi = min_sz(*lo + sl, m);
+}
+
+static void copy_slice_out(void *arg, int p) {
+  slice_copy_t *c = arg;
+  size_t lo, hi;
+  slice_bounds(c->m, c->sl, p, &lo, &hi);
+  t3d__shm_copy(c->out + lo * c->es, t3d__shm_half(c->s, p, c->h) + lo * c->es, (hi - lo) * c->es, c->nt);
+}
+
+/* Chunk by chunk: each rank publishes the slices others own (its own stays in its buffer), reduces its slice from
+ * all halves into its half and its output, then copies the others' reduced slices out. Every element is reduced
+ * by one rank only, so all ranks hold the same bits. root < 0: allreduce; else only root copies out. */
+static t3d_result_t reduce_chunked(t3d_shm_t *s, t3d_exec_t *ex, const char *sb, char *rb, size_t count,
+                                   t3d_dtype_t dt, t3d_redop_t op, int root, int kind) {
+  int n = s->size, me = s->rank;
+  size_t es = t3d_dtype_size(dt), unit = line_elems(es) * (size_t)n;
+  size_t per = s->chunk / es / unit * unit;
+  if (per == 0) per = unit;
+  int collect = root < 0 || root == me;
+  int nt = s->nt && count * es >= s->nt_min;
+  for (size_t off = 0; off < count; off += per) {
+    size_t m = min_sz(per, count - off);
+    size_t sl = (m + unit - 1) / unit * line_elems(es);
+    t3d_shm_step_t st;
+    t3d__shm_step_begin(s, 3, &st);
+    T3D_CHECK(t3d__shm_step_acquire(s, ex, &st));
+    if (off == 0) t3d__shm_put_info(s, &st, kind, count * es, 0);
+    char *mine = t3d__shm_half(s, me, st.h);
+    for (int q = 0; q < n; q++) {
+      if (q == me) continue;
+      size_t lo, hi;
+      slice_bounds(m, sl, q, &lo, &hi);
+      memcpy(mine + lo * es, sb + (off + lo) * es, (hi - lo) * es);
+    }
+    t3d__shm_post(s, st.base + 1);
+    T3D_CHECK(t3d__shm_wait(s, ex, -1, st.base + 1));
+    if (off == 0) T3D_CHECK(check_all_info(s, ex, &st, kind, count * es));
+    size_t lo, hi;
+    slice_bounds(m, sl, me, &lo, &hi);
+    for (int p = 0; p < n; p++) s->srcs[p] = p == me ? sb + (off + lo) * es : t3d__shm_half(s, p, st.h) + lo * es;
+    t3d__shm_reduce_n(mine + lo * es, collect ? rb + (off + lo) * es : NULL, s->srcs, n, hi - lo, dt, op, nt);
+    if (!collect) {
+      t3d__shm_post(s, st.base + 3);
+      continue;
+    }
+    t3d__shm_post(s, st.base + 2);
+    slice_copy_t c = {s, st.h, nt, rb + off * es, es, m, sl};
+    T3D_CHECK(t3d__shm_wait_each(s, ex, st.base + 2, copy_slice_out, &c));
+    t3d__shm_post(s, st.base + 3);
+  }
+  return T3D_OK;
+}
+
+static t3d_result_t reduce_common(t3d_exec_t *ex, const void *sendbuf, void *recvbuf, size_t count, t3d_dtype_t dt,
+                                  t3d_redop_t op, int root, int kind) {
+  t3d_shm_t *s = t3d__exec_shm(ex);
+  size_t bytes = count * t3d_dtype_size(dt);
+  if (bytes == 0) return T3D_OK;
+  int collect = root < 0 || root == s->rank;
+  /* Exactly in place is fine (each element is read before it is written); any other overlap reads from a copy. */
+  void *copy = NULL;
+  if (collect && sendbuf != recvbuf && overlap(sendbuf, bytes, recvbuf, bytes)) {
+    copy = malloc(bytes);
+    if (copy == NULL) return T3D_ERR_NO_MEMORY;
+    memcpy(copy, sendbuf, bytes);
+    sendbuf = copy;
+  }
+  t3d_result_t res;
+  if (bytes <= s->oneshot_max) res = reduce_oneshot(s, ex, sendbuf, recvbuf, count, dt, op, root, kind);
+  else res = reduce_chunked(s, ex, sendbuf, recvbuf, count, dt, op, root, kind);
+  free(copy);
+  return res;
+}
+
+t3d_result_t t3d__shm_allreduce(t3d_exec_t *ex, const void *sendbuf, void *recvbuf, size_t count, t3d_dtype_t dt,
+                                t3d_redop_t op) {
+  return reduce_common(ex, sendbuf, recvbuf, count, dt, op, -1, T3D_OP_ALLREDUCE);
+}
+
+t3d_result_t t3d__shm_reduce(t3d_exec_t *ex, const void *sendbuf, void *recvbuf, size_t count, t3d_dtype_t dt,
+                             t3d_redop_t op, int root) {
+  return reduce_common(ex, sendbuf, recvbuf, count, dt, op, root, T3D_OP_REDUCE);
+}
+
+/* ---------- reduce_scatterv ---------- */
+
+/* Step k carries piece k (P elements) of every block: rank p writes its piece for owner q at q * P of its half, and
+ * q folds the pieces of all ranks in rank order into its output. */
+t3d_result_t t3d__shm_reduce_scatterv(t3d_exec_t *ex, const void *sendbuf, void *recvbuf, const size_t *counts,
+                                      t3d_dtype_t dt, t3d_redop_t op) {
+  t3d_shm_t *s = t3d__exec_shm(ex);
+  int n = s->size, me = s->rank;
+  size_t es = t3d_dtype_size(dt), total = 0, maxc = 0;
+  for (int q = 0; q < n; q++) {
+    s->offs[q] = total;
+    total += counts[q];
+    if (counts[q] > maxc) maxc = counts[q];
+  }
+  if (total == 0) return T3D_OK;
+  const char *sb = sendbuf;
+  char *rb = recvbuf, *scratch = NULL;
+  size_t mine = counts[me] * es;
+  /* Step k writes output [kP, (k+1)P) after reading every piece k: safe when the output is the input's start or
+   * the own block (what is overwritten was read at step k or before). Other overlaps go through scratch. */
+  int ov = overlap(sb, total * es, rb, mine);
+  int own_direct = !ov || rb == sb + s->offs[me] * es;
+  if (ov && rb != sb && rb != sb + s->offs[me] * es) {
+    scratch = malloc(mine);
+    if (scratch == NULL) return T3D_ERR_NO_MEMORY;
+    rb = scratch;
+  }
+  size_t P = s->half / (size_t)n / 64 * 64 / es;
+  t3d_result_t res = T3D_OK;
+  for (size_t lo = 0; lo < maxc; lo += P) {
+    t3d_shm_step_t st;
+    t3d__shm_step_begin(s, 2, &st);
+    T3D_CHECK_GOTO(t3d__shm_step_acquire(s, ex, &st), res, out);
+    if (lo == 0) t3d__shm_put_info(s, &st, T3D_OP_REDUCE_SCATTERV, total * es, 0);
+    char *half = t3d__shm_half(s, me, st.h);
+    for (int q = 0; q < n; q++) {
+      if ((q == me && own_direct) || lo >= counts[q]) continue;
+      memcpy(half + (size_t)q * P * es, sb + (s->offs[q] + lo) * es, min_sz(P, counts[q] - lo) * es);
+    }
+    t3d__shm_post(s, st.base + 1);
+    if (lo < counts[me]) {
+      T3D_CHECK_GOTO(t3d__shm_wait(s, ex, -1, st.base + 1), res, out);
+      if (lo == 0) T3D_CHECK_GOTO(check_all_info(s, ex, &st, T3D_OP_REDUCE_SCATTERV, total * es), res, out);
+      for (int p = 0; p < n; p++) {
+        s->srcs[p] = (p == me && own_direct) ? sb + (s->offs[me] + lo) * es
+                                              : t3d__shm_half(s, p, st.h) + (size_t)me * P * es;
+      }
+      t3d__shm_reduce_n(rb + lo * es, NULL, s->srcs, n, min_sz(P, counts[me] - lo), dt, op, 0);
+    }
+    t3d__shm_post(s, st.base + 2);
+  }
+  if (scratch != NULL) memcpy(recvbuf, scratch, mine);
+out:
+  free(scratch);
+  return res;
+}
+
+/* ---------- broadcast ---------- */
+
+t3d_result_t t3d__shm_broadcast(t3d_exec_t *ex, void *buf, size_t bytes, int root) {
+  t3d_shm_t *s = t3d__exec_shm(ex);
+  char *b = buf;
+  int nt = s->nt && bytes >= s->nt_min;
+  for (size_t lo = 0; lo < bytes; lo += s->half) {
+    size_t len = min_sz(s->half, bytes - lo);
+    t3d_shm_step_t st;
+    t3d__shm_step_begin(s, 2, &st);
+    if (s->rank == root) {
+      T3D_CHECK(t3d__shm_step_acquire(s, ex, &st));
+      if (lo == 0) t3d__shm_put_info(s, &st, T3D_OP_BROADCAST, bytes, 0);
+      memcpy(t3d__shm_half(s, root, st.h), b + lo, len);
+    } else {
+      T3D_CHECK(t3d__shm_wait(s, ex, root, st.base + 1));
+      if (lo == 0) T3D_CHECK(t3d__shm_check_info(s, ex, &st, root, T3D_OP_BROADCAST, bytes));
+      t3d__shm_copy(b + lo, t3d__shm_half(s, root, st.h), len, nt);
+    }
+    t3d__shm_post(s, st.base + 2);
+  }
+  return T3D_OK;
+}
+
+/* ---------- allgatherv ---------- */
+
+typedef struct {
+  t3d_shm_t *s;
+  t3d_exec_t *ex;
+  const t3d_shm_step_t *st;
+  char *rb;
+  const size_t *bytes, *displs;
+  size_t lo, total;
+  int nt;
+  t3d_result_t res;
+} gather_ctx_t;
+
+static void gather_from(void *arg, int p) {
+  gather_ctx_t *c = arg;
+  if (c->lo == 0 && c->res == T3D_OK) c->res = t3d__shm_check_info(c->s, c->ex, c->st, p, T3D_OP_ALLGATHERV, c->total);
+  if (c->res != T3D_OK || c->lo >= c->bytes[p]) return;
+  t3d__shm_copy(c->rb + c->displs[p] + c->lo, t3d__shm_half(c->s, p, c->st->h),
+                min_sz(c->s->half, c->bytes[p] - c->lo), c->nt);
+}
+
+t3d_result_t t3d__shm_allgatherv(t3d_exec_t *ex, const void *sendbuf, void *recvbuf, const size_t *bytes,
+                                 const size_t *displs_bytes) {
+  t3d_shm_t *s = t3d__exec_shm(ex);
+  int n = s->size, me = s->rank;
+  size_t total = 0, maxb = 0;
+  for (int p = 0; p < n; p++) {
+    total += bytes[p];
+    if (bytes[p] > maxb) maxb = bytes[p];
+  }
+  if (total == 0) return T3D_OK;
+  char *rb = recvbuf, *own = rb + displs_bytes[me];
+  /* In place (sendbuf NULL, equal to recvbuf, or already our block): the block is where it belongs. */
+  if (sendbuf != NULL && sendbuf != recvbuf && (const char *)sendbuf != own && bytes[me] > 0)
+    memmove(own, sendbuf, bytes[me]);
+  gather_ctx_t c = {s, ex, NULL, rb, bytes, displs_bytes, 0, total, s->nt && total >= s->nt_min, T3D_OK};
+  for (size_t lo = 0; lo < maxb; lo += s->half) {
+    t3d_shm_step_t st;
+    t3d__shm_step_begin(s, 2, &st);
+    if (lo == 0 || lo < bytes[me]) {
+      T3D_CHECK(t3d__shm_step_acquire(s, ex, &st));
+      if (lo == 0) t3d__shm_put_info(s, &st, T3D_OP_ALLGATHERV, total, 0);
+      if (lo < bytes[me]) memcpy(t3d__shm_half(s, me, st.h), own + lo, min_sz(s->half, bytes[me] - lo));
+    }
+    t3d__shm_post(s, st.base + 1);
+    c.st = &st;
+    c.lo = lo;
+    T3D_CHECK(t3d__shm_wait_each(s, ex, st.base + 1, gather_from, &c));
+    T3D_CHECK(c.res);
+    t3d__shm_post(s, st.base + 2);
+  }
+  return T3D_OK;
+}
+
+/* ---------- alltoallv ---------- */
+
+typedef struct {
+  t3d_shm_t *s;
+  t3d_exec_t *ex;
+  const t3d_shm_step_t *st;
+  char *rb;
+  const size_t *rbytes, *rdispls;
+  size_t lo, piece, gmax;
+  int nt;
+  t3d_result_t res;
+} a2a_ctx_t;
+
+static void a2a_from(void *arg, int p) {
+  a2a_ctx_t *c = arg;
+  if (c->lo == 0) {
+    if (c->res == T3D_OK) c->res = t3d__shm_check_info(c->s, c->ex, c->st, p, T3D_OP_ALLTOALLV, 0);
+    const t3d_shm_info_t *in = t3d__shm_info(c->s, p, c->st->h);
+    if (in->aux > c->gmax) c->gmax = in->aux;
+  }
+  if (c->res != T3D_OK || c->lo >= c->rbytes[p]) return;
+  t3d__shm_copy(c->rb + c->rdispls[p] + c->lo, t3d__shm_half(c->s, p, c->st->h) + (size_t)c->s->rank * c->piece,
+                min_sz(c->piece, c->rbytes[p] - c->lo), c->nt);
+}
+
+static void extent(int n, const size_t *bytes, const size_t *displs, size_t *lo, size_t *hi) {
+  *lo = SIZE_MAX;
+  *hi = 0;
+  for (int p = 0; p < n; p++) {
+    if (bytes[p] == 0) continue;
+    if (displs[p] < *lo) *lo = displs[p];
+    if (displs[p] + bytes[p] > *hi) *hi = displs[p] + bytes[p];
+  }
+  if (*hi == 0) *lo = 0;
+}
+
+/* Step k carries piece k (one line-aligned share of the half) of every block: rank p writes its piece for q at
+ * q * piece of its half. Only the senders know the block sizes, so step 0 also spreads each rank's largest block
+ * through the info lines, and every rank derives the same step count from the maximum. */
+t3d_result_t t3d__shm_alltoallv(t3d_exec_t *ex, const void *sendbuf, const size_t *sbytes, const size_t *sdispls,
+                                void *recvbuf, const size_t *rbytes, const size_t *rdispls) {
+  t3d_shm_t *s = t3d__exec_shm(ex);
+  int n = s->size, me = s->rank;
+  if (sbytes[me] != rbytes[me]) {
+    snprintf(ex->error, sizeof ex->error,
+             "t3d: %s #%llu on group '%s' (rank %d of %d): sends %zu bytes to itself but expects %zu", ex->opname,
+             (unsigned long long)ex->seq, ex->comm->name, me, n, sbytes[me], rbytes[me]);
+    return T3D_ERR_MISMATCH;
+  }
+  const char *sb = sendbuf;
+  size_t sbias = 0;
+  char *rb = recvbuf, *copy = NULL;
+  size_t slo, shi, rlo, rhi;
+  extent(n, sbytes, sdispls, &slo, &shi);
+  extent(n, rbytes, rdispls, &rlo, &rhi);
+  /* Incoming blocks would overwrite outgoing ones that later steps still read: send from a copy. */
+  if (overlap(sb + slo, shi - slo, rb + rlo, rhi - rlo)) {
+    copy = malloc(shi - slo);
+    if (copy == NULL) return T3D_ERR_NO_MEMORY;
+    memcpy(copy, sb + slo, shi - slo);
+    sb = copy;
+    sbias = slo;
+  }
+  size_t local_max = 0, total = 0;
+  for (int q = 0; q < n; q++) {
+    total += sbytes[q] + rbytes[q];
+    if (q != me && sbytes[q] > local_max) local_max = sbytes[q];
+  }
+  a2a_ctx_t c = {s, ex, NULL, rb, rbytes, rdispls, 0, s->half / (size_t)n / 64 * 64, local_max,
+                 s->nt && total / 2 * (size_t)n >= s->nt_min, T3D_OK};
+  t3d_result_t res = T3D_OK;
+  for (size_t lo = 0; lo == 0 || lo < c.gmax; lo += c.piece) {
+    t3d_shm_step_t st;
+    t3d__shm_step_begin(s, 2, &st);
+    T3D_CHECK_GOTO(t3d__shm_step_acquire(s, ex, &st), res, out);
+    if (lo == 0) t3d__shm_put_info(s, &st, T3D_OP_ALLTOALLV, 0, local_max);
+    char *half = t3d__shm_half(s, me, st.h);
+    for (int q = 0; q < n; q++) {
+      if (q == me || lo >= sbytes[q]) continue;
+      memcpy(half + (size_t)q * c.piece, sb + (sdispls[q] - sbias) + lo, min_sz(c.piece, sbytes[q] - lo));
+    }
+    t3d__shm_post(s, st.base + 1);
+    c.st = &st;
+    c.lo = lo;
+    T3D_CHECK_GOTO(t3d__shm_wait_each(s, ex, st.base + 1, a2a_from, &c), res, out);
+    T3D_CHECK_GOTO(c.res, res, out);
+    t3d__shm_post(s, st.base + 2);
+  }
+  if (rbytes[me] > 0 && rb + rdispls[me] != sb + (sdispls[me] - sbias))
+    memmove(rb + rdispls[me], sb + (sdispls[me] - sbias), rbytes[me]);
+out:
+  free(copy);
+  return res;
+}
+
+/* ---------- barrier ---------- */
+
+t3d_result_t t3d__shm_barrier(t3d_exec_t *ex) {
+  t3d_shm_t *s = t3d__exec_shm(ex);
+  uint64_t target = ++s->phase;
+  t3d__shm_post(s, target);
+  return t3d__shm_wait(s, ex, -1, target);
+}

@@ -1,0 +1,566 @@
+// test_shm.cc: the same-host shared-memory collectives (c_src/shm): every collective against a serial reference over
+// sizes {0, 1, 7, 4097, 3 MiB + odd} x world sizes {2, 3, 4, 8}, with the default segment and with a tiny one
+// (many steps, chunked paths for small sizes, non-temporal stores everywhere); in place; uneven counts with zeros;
+// two communicators at once; a rank that never arrives; and no segment left in /dev/shm.
+#include <gtest/gtest.h>
+
+#include <dirent.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <functional>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <numeric>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "harness.h"
+
+using namespace t3dtest;
+
+namespace {
+
+using Buf = std::vector<unsigned char>;
+const unsigned char kFill = 0xA5;
+
+// Warnings (the text of a failed init) go to a file the tests can read; set before the library reads T3D_DEBUG.
+const std::string kLogPath = "/tmp/t3d-test-shm-log";
+const bool kLogSet = [] {
+  if (getenv("T3D_DEBUG") == nullptr) {
+    setenv("T3D_DEBUG", "WARN", 1);
+    setenv("T3D_DEBUG_FILE", kLogPath.c_str(), 1);
+  }
+  return true;
+}();
+
+Buf Bytes(t3d_dtype_t dt, size_t n) { return Buf(std::max<size_t>(1, n * t3d_dtype_size(dt)), kFill); }
+
+std::string Tag(int rank, const std::string &what) { return "rank " + std::to_string(rank) + ": " + what; }
+
+#define STOP_IF_FAILED()                       \
+  do {                                         \
+    if (::testing::Test::HasFailure()) return; \
+  } while (0)
+
+// 0, 1, 7, 4097 and 3 MiB + 13 elements.
+std::vector<size_t> Sizes(t3d_dtype_t dt, bool big) {
+  std::vector<size_t> v = {0, 1, 7, 4097};
+  if (big) v.push_back((static_cast<size_t>(3) << 20) / t3d_dtype_size(dt) + 13);
+  return v;
+}
+
+struct Case {
+  t3d_dtype_t dt;
+  t3d_redop_t op;
+  bool big;
+};
+const Case kCases[] = {
+    {T3D_FLOAT32, T3D_SUM, true},  {T3D_BFLOAT16, T3D_AVG, true}, {T3D_INT64, T3D_SUM, true},
+    {T3D_FLOAT64, T3D_MAX, false}, {T3D_INT32, T3D_BXOR, false},  {T3D_INT8, T3D_PROD, false},
+    {T3D_UINT8, T3D_MIN, false},   {T3D_FLOAT32, T3D_PREMUL_SUM, false}, {T3D_COMPLEX64, T3D_SUM, false},
+};
+
+t3d_opts_t Opts(t3d_dtype_t dt) {
+  t3d_opts_t o;
+  o.timeout_ms = 0;
+  o.premul_scalar = PremulScalar(dt);
+  return o;
+}
+
+void ExpectSameOnAllRanks(int rank, const std::string &what, const Buf &mine) {
+  std::vector<Buf> &slots = HostSlots();
+  slots[rank] = mine;
+  if (!HostBarrier()) return;
+  if (rank != 0) {
+    EXPECT_TRUE(slots[rank] == slots[0]) << Tag(rank, what) << ": differs bitwise from rank 0's";
+  }
+  HostBarrier();
+}
+
+// Entries of /dev/shm this process created.
+std::vector<std::string> OurSegments() {
+  std::vector<std::string> found;
+  const std::string prefix = "t3d-" + std::to_string(getpid()) + "-";
+  if (DIR *d = opendir("/dev/shm")) {
+    while (struct dirent *e = readdir(d))
+      if (strncmp(e->d_name, prefix.c_str(), prefix.size()) == 0) found.push_back(e->d_name);
+    closedir(d);
+  }
+  return found;
+}
+
+// ---------- parameters: world size x segment tuning ----------
+
+struct Param {
+  int n;
+  bool tiny;  // T3D_SHM_BYTES=128 KiB, no one-shot, non-temporal stores from 1 byte
+};
+
+class Shm : public ::testing::TestWithParam<Param> {
+ protected:
+  void SetUp() override {
+    if (GetParam().tiny) {
+      setenv("T3D_SHM_BYTES", "131072", 1);
+      setenv("T3D_SHM_ONESHOT_BYTES", "0", 1);
+      setenv("T3D_SHM_NT_BYTES", "1", 1);
+    }
+  }
+  void TearDown() override {
+    unsetenv("T3D_SHM_BYTES");
+    unsetenv("T3D_SHM_ONESHOT_BYTES");
+    unsetenv("T3D_SHM_NT_BYTES");
+  }
+};
+
+std::string ParamName(const ::testing::TestParamInfo<Param> &info) {
+  return "n" + std::to_string(info.param.n) + (info.param.tiny ? "_tiny" : "");
+}
+
+TEST_P(Shm, UsesSharedMemoryAndLeavesNoFile) {
+  RunRanks(GetParam().n, [&](int rank, t3d_comm_t *comm) {
+    EXPECT_STREQ(t3d_comm_transport(comm), "shm+ucx") << Tag(rank, "transport");
+    if (!HostBarrier()) return;
+    // Every rank is past init: the segment is mapped everywhere and its name already gone.
+    EXPECT_TRUE(OurSegments().empty()) << Tag(rank, "a segment is still in /dev/shm after init: ")
+                                       << OurSegments()[0];
+  });
+  EXPECT_TRUE(OurSegments().empty()) << "a segment is still in /dev/shm after destroy";
+}
+
+TEST_P(Shm, Allreduce) {
+  const int n = GetParam().n;
+  RunRanks(n, [&](int rank, t3d_comm_t *comm) {
+    for (const Case &c : kCases) {
+      const t3d_opts_t opts = Opts(c.dt);
+      for (size_t count : Sizes(c.dt, c.big)) {
+        STOP_IF_FAILED();
+        const std::string what = "allreduce " + CaseName(c.dt, c.op, count);
+        Buf in = Bytes(c.dt, count), out = Bytes(c.dt, count), expect = Bytes(c.dt, count);
+        FillInput(c.dt, c.op, rank, in.data(), count);
+        const Buf in_copy = in;
+        if (!RunOk(comm, what, [&](t3d_request_t **r) {
+              return t3d_allreduce(comm, in.data(), out.data(), count, c.dt, c.op, &opts, r);
+            }))
+          return;
+        ReferenceReduce(c.dt, c.op, n, expect.data(), count);
+        EXPECT_EQ("", CompareBuffers(c.dt, out.data(), expect.data(), count, Tolerance(c.dt, c.op)))
+            << Tag(rank, what);
+        EXPECT_TRUE(in == in_copy) << Tag(rank, what) << ": the send buffer changed";
+        ExpectSameOnAllRanks(rank, what, out);
+        Buf io = in_copy;
+        if (!RunOk(comm, what + " in place", [&](t3d_request_t **r) {
+              return t3d_allreduce(comm, io.data(), io.data(), count, c.dt, c.op, &opts, r);
+            }))
+          return;
+        EXPECT_EQ("", CompareBuffers(c.dt, io.data(), expect.data(), count, Tolerance(c.dt, c.op)))
+            << Tag(rank, what + " in place");
+        ExpectSameOnAllRanks(rank, what + " in place", io);
+      }
+    }
+  });
+}
+
+TEST_P(Shm, Reduce) {
+  const int n = GetParam().n;
+  RunRanks(n, [&](int rank, t3d_comm_t *comm) {
+    for (const Case &c : kCases) {
+      const t3d_opts_t opts = Opts(c.dt);
+      // The large size for float32 sum only: reduce shares allreduce's paths, which the cases above cover.
+      for (size_t count : Sizes(c.dt, c.big && c.dt == T3D_FLOAT32)) {
+        for (int root : {0, n - 1}) {
+          for (bool in_place : {false, true}) {
+            STOP_IF_FAILED();
+            const std::string what = "reduce " + CaseName(c.dt, c.op, count) + " root " + std::to_string(root) +
+                                     (in_place ? " in place" : "");
+            Buf in = Bytes(c.dt, count), out = Bytes(c.dt, count), expect = Bytes(c.dt, count);
+            FillInput(c.dt, c.op, rank, in.data(), count);
+            void *recv = rank == root ? (in_place ? in.data() : out.data()) : nullptr;
+            if (!RunOk(comm, what, [&](t3d_request_t **r) {
+                  return t3d_reduce(comm, in.data(), recv, count, c.dt, c.op, root, &opts, r);
+                }))
+              return;
+            if (rank != root) continue;
+            ReferenceReduce(c.dt, c.op, n, expect.data(), count);
+            EXPECT_EQ("", CompareBuffers(c.dt, static_cast<unsigned char *>(recv), expect.data(), count,
+                                         Tolerance(c.dt, c.op)))
+                << Tag(rank, what);
+          }
+        }
+      }
+    }
+  });
+}
+
+TEST_P(Shm, ReduceScatterv) {
+  const int n = GetParam().n;
+  RunRanks(n, [&](int rank, t3d_comm_t *comm) {
+    for (const Case &c : kCases) {
+      const t3d_opts_t opts = Opts(c.dt);
+      for (size_t base : Sizes(c.dt, c.big)) {
+        for (int mode = 0; mode < 3; ++mode) {  // 0: separate output, 1: in place at the start, 2: own block
+          STOP_IF_FAILED();
+          if (mode > 0 && base > 4097 && c.dt != T3D_FLOAT32) continue;
+          // Uneven, every third rank gets nothing.
+          std::vector<size_t> counts(n), offs(n);
+          for (int r = 0; r < n; ++r) counts[r] = (r % 3 == 1) ? 0 : base + static_cast<size_t>(r) * 3;
+          std::exclusive_scan(counts.begin(), counts.end(), offs.begin(), static_cast<size_t>(0));
+          const size_t total = offs.back() + counts.back(), mine = counts[rank];
+          const size_t es = t3d_dtype_size(c.dt);
+          const std::string what = "reduce_scatterv " + CaseName(c.dt, c.op, base) + " mode " + std::to_string(mode);
+          Buf in = Bytes(c.dt, total), out = Bytes(c.dt, mine), expect = Bytes(c.dt, mine);
+          FillInput(c.dt, c.op, rank, in.data(), total);
+          unsigned char *recv = mode == 0 ? out.data() : mode == 1 ? in.data() : in.data() + offs[rank] * es;
+          if (!RunOk(comm, what, [&](t3d_request_t **r) {
+                return t3d_reduce_scatterv(comm, in.data(), recv, counts.data(), c.dt, c.op, &opts, r);
+              }))
+            return;
+          ReferenceReduce(c.dt, c.op, n, expect.data(), mine, offs[rank]);
+          EXPECT_EQ("", CompareBuffers(c.dt, recv, expect.data(), mine, Tolerance(c.dt, c.op))) << Tag(rank, what);
+          if (mode == 0 && mine == 0) {
+            EXPECT_EQ(out[0], kFill) << Tag(rank, what) << ": wrote an empty receive";
+          }
+        }
+      }
+    }
+  });
+}
+
+TEST_P(Shm, Broadcast) {
+  const int n = GetParam().n;
+  RunRanks(n, [&](int rank, t3d_comm_t *comm) {
+    for (t3d_dtype_t dt : {T3D_FLOAT32, T3D_UINT8, T3D_COMPLEX128}) {
+      for (size_t count : Sizes(dt, dt != T3D_COMPLEX128)) {
+        for (int root = 0; root < n; root += std::max(1, n - 1)) {
+          STOP_IF_FAILED();
+          const std::string what = "broadcast " + std::string(t3d_dtype_name(dt)) + " x" + std::to_string(count) +
+                                   " root " + std::to_string(root);
+          Buf buf = Bytes(dt, count), expect = Bytes(dt, count);
+          FillPattern(dt, root, expect.data(), count, 0, 3);
+          if (rank == root) buf = expect;
+          if (!RunOk(comm, what, [&](t3d_request_t **r) {
+                return t3d_broadcast(comm, buf.data(), count, dt, root, nullptr, r);
+              }))
+            return;
+          EXPECT_TRUE(buf == expect) << Tag(rank, what);
+        }
+      }
+    }
+  });
+}
+
+TEST_P(Shm, Allgatherv) {
+  const int n = GetParam().n;
+  RunRanks(n, [&](int rank, t3d_comm_t *comm) {
+    for (t3d_dtype_t dt : {T3D_FLOAT32, T3D_INT8}) {
+      const size_t es = t3d_dtype_size(dt);
+      for (size_t base : Sizes(dt, true)) {
+        for (int mode = 0; mode < 3; ++mode) {  // 0: separate send buffer, 1: recvbuf (in place), 2: own block
+          STOP_IF_FAILED();
+          if (base > 4097) base /= static_cast<size_t>(n);
+          // Uneven with zeros, blocks in reverse rank order with one-element gaps.
+          std::vector<size_t> counts(n), displs(n);
+          size_t at = 0;
+          for (int p = n - 1; p >= 0; --p) {
+            counts[p] = (p % 3 == 2) ? 0 : base + static_cast<size_t>(p);
+            displs[p] = at;
+            at += counts[p] + 1;
+          }
+          const std::string what = "allgatherv " + std::string(t3d_dtype_name(dt)) + " base " +
+                                   std::to_string(base) + " mode " + std::to_string(mode);
+          Buf send = Bytes(dt, counts[rank]), out = Bytes(dt, at), expect = Bytes(dt, at);
+          FillPattern(dt, rank, send.data(), counts[rank], 0, 1);
+          for (int p = 0; p < n; ++p) FillPattern(dt, p, expect.data() + displs[p] * es, counts[p], 0, 1);
+          const void *sb = send.data();
+          if (mode == 1) {
+            memcpy(out.data() + displs[rank] * es, send.data(), counts[rank] * es);
+            sb = out.data();
+          } else if (mode == 2) {
+            memcpy(out.data() + displs[rank] * es, send.data(), counts[rank] * es);
+            sb = out.data() + displs[rank] * es;
+          }
+          if (!RunOk(comm, what, [&](t3d_request_t **r) {
+                return t3d_allgatherv(comm, sb, counts[rank], out.data(), counts.data(), displs.data(), dt, nullptr,
+                                      r);
+              }))
+            return;
+          EXPECT_TRUE(out == expect) << Tag(rank, what) << " (gaps must keep their old bytes)";
+        }
+      }
+    }
+  });
+}
+
+size_t VCount(size_t base, int from, int to) {
+  const size_t k = static_cast<size_t>(from + 2 * to) % 4;
+  return k == 3 ? 0 : base + k;
+}
+
+TEST_P(Shm, Alltoallv) {
+  const int n = GetParam().n;
+  RunRanks(n, [&](int rank, t3d_comm_t *comm) {
+    for (t3d_dtype_t dt : {T3D_FLOAT32, T3D_UINT8}) {
+      const size_t es = t3d_dtype_size(dt);
+      for (size_t base : Sizes(dt, true)) {
+        STOP_IF_FAILED();
+        if (base > 4097) base /= static_cast<size_t>(n);
+        std::vector<size_t> sc(n), sd(n), rc(n), rd(n);
+        size_t s_at = 0, r_at = 0;
+        for (int p = 0; p < n; ++p) {
+          sc[p] = VCount(base, rank, p);
+          sd[p] = s_at;
+          s_at += sc[p] + 1;
+        }
+        for (int p = n - 1; p >= 0; --p) {
+          rc[p] = VCount(base, p, rank);
+          rd[p] = r_at;
+          r_at += rc[p] + 1;
+        }
+        const std::string what = "alltoallv " + std::string(t3d_dtype_name(dt)) + " base " + std::to_string(base);
+        Buf in = Bytes(dt, s_at), out = Bytes(dt, r_at), expect = Bytes(dt, r_at);
+        for (int p = 0; p < n; ++p) FillPattern(dt, rank, in.data() + sd[p] * es, sc[p], p * 100000, 5);
+        for (int p = 0; p < n; ++p) FillPattern(dt, p, expect.data() + rd[p] * es, rc[p], rank * 100000, 5);
+        if (!RunOk(comm, what, [&](t3d_request_t **r) {
+              return t3d_alltoallv(comm, in.data(), sc.data(), sd.data(), out.data(), rc.data(), rd.data(), dt,
+                                   nullptr, r);
+            }))
+          return;
+        EXPECT_TRUE(out == expect) << Tag(rank, what);
+        // Equal blocks in place.
+        const size_t m = base;
+        Buf io = Bytes(dt, m * n), exp2 = Bytes(dt, m * n);
+        for (int p = 0; p < n; ++p) FillPattern(dt, rank, io.data() + p * m * es, m, p * 100000, 6);
+        for (int p = 0; p < n; ++p) FillPattern(dt, p, exp2.data() + p * m * es, m, rank * 100000, 6);
+        if (!RunOk(comm, what + " in place", [&](t3d_request_t **r) {
+              return t3d_alltoall(comm, io.data(), io.data(), m, dt, nullptr, r);
+            }))
+          return;
+        EXPECT_TRUE(io == exp2) << Tag(rank, what + " in place");
+      }
+    }
+  });
+}
+
+TEST_P(Shm, BarrierAndMixedPipeline) {
+  const int n = GetParam().n;
+  std::atomic<int> arrived{0};
+  RunRanks(n, [&](int rank, t3d_comm_t *comm) {
+    for (int it = 0; it < 20; ++it) {
+      STOP_IF_FAILED();
+      arrived.fetch_add(1);
+      if (!RunOk(comm, "barrier", [&](t3d_request_t **r) { return t3d_barrier(comm, nullptr, r); })) return;
+      EXPECT_GE(arrived.load(), n * (it + 1)) << Tag(rank, "left a barrier before every rank arrived");
+    }
+    // Many operations of different kinds in flight, finished in reverse order.
+    const int k = 10;
+    std::vector<Buf> ins(k), outs(k);
+    std::vector<t3d_request_t *> reqs(k);
+    for (int i = 0; i < k; ++i) {
+      const size_t count = static_cast<size_t>(1 + 40013 * i);
+      ins[i] = Bytes(T3D_FLOAT32, count);
+      outs[i] = Bytes(T3D_FLOAT32, count * (i % 2 ? n : 1));
+      FillInput(T3D_FLOAT32, T3D_SUM, rank, ins[i].data(), count);
+      t3d_result_t r = i % 2 ? t3d_allgather(comm, ins[i].data(), outs[i].data(), count, T3D_FLOAT32, nullptr, &reqs[i])
+                             : t3d_allreduce(comm, ins[i].data(), outs[i].data(), count, T3D_FLOAT32, T3D_SUM,
+                                             nullptr, &reqs[i]);
+      ASSERT_EQ(r, T3D_OK) << t3d_comm_last_error(comm);
+    }
+    for (int i = k; i-- > 0;) {
+      std::string err;
+      EXPECT_EQ(Finish(reqs[i], &err), T3D_OK) << Tag(rank, "pipelined " + std::to_string(i)) << ": " << err;
+    }
+    for (int i = 0; i < k; i += 2) {
+      const size_t count = static_cast<size_t>(1 + 40013 * i);
+      Buf expect = Bytes(T3D_FLOAT32, count);
+      ReferenceReduce(T3D_FLOAT32, T3D_SUM, n, expect.data(), count);
+      EXPECT_EQ("", CompareBuffers(T3D_FLOAT32, outs[i].data(), expect.data(), count, 0.0))
+          << Tag(rank, "pipelined allreduce " + std::to_string(i));
+    }
+  });
+}
+
+// Two communicators over the same ranks (the second in reverse rank order), operations interleaved on both without
+// waiting in between. (Made with t3d_comm_init rather than t3d_comm_split: split passes the parent's transport
+// name, "ucx", to the child, which turns shared memory off.)
+TEST_P(Shm, TwoCommunicatorsAtOnce) {
+  const int n = GetParam().n;
+  MemStore store;
+  const std::string pa = UniqueName("two-a"), pb = UniqueName("two-b");
+  RunOptions o;
+  o.store = store.store();
+  RunRanks(n, [&](int rank, t3d_comm_t *comm) {
+    t3d_comm_t *a = nullptr, *b = nullptr;
+    t3d_config_t cfg;
+    t3d_config_init(&cfg);
+    cfg.timeout_ms = TestTimeoutMs();
+    cfg.key_prefix = pa.c_str();
+    T3D_ASSERT_OK(comm, t3d_comm_init(&a, rank, n, store.store(), &cfg));
+    cfg.key_prefix = pb.c_str();
+    T3D_ASSERT_OK(comm, t3d_comm_init(&b, n - 1 - rank, n, store.store(), &cfg));
+    ASSERT_STREQ(t3d_comm_transport(a), "shm+ucx");
+    ASSERT_STREQ(t3d_comm_transport(b), "shm+ucx");
+    const int rb = t3d_comm_rank(b);
+    const size_t count = (static_cast<size_t>(1) << 19) + 7;
+    std::vector<Buf> ina(4), outa(4), inb(4), outb(4);
+    std::vector<t3d_request_t *> reqs;
+    for (int i = 0; i < 4; ++i) {
+      ina[i] = Bytes(T3D_FLOAT32, count);
+      outa[i] = Bytes(T3D_FLOAT32, count);
+      inb[i] = Bytes(T3D_INT32, count);
+      outb[i] = Bytes(T3D_INT32, count);
+      FillInput(T3D_FLOAT32, T3D_SUM, rank, ina[i].data(), count, i);
+      FillInput(T3D_INT32, T3D_MAX, rb, inb[i].data(), count, i);
+      t3d_request_t *r1 = nullptr, *r2 = nullptr;
+      T3D_ASSERT_OK(a, t3d_allreduce(a, ina[i].data(), outa[i].data(), count, T3D_FLOAT32, T3D_SUM, nullptr, &r1));
+      T3D_ASSERT_OK(b, t3d_allreduce(b, inb[i].data(), outb[i].data(), count, T3D_INT32, T3D_MAX, nullptr, &r2));
+      reqs.push_back(r1);
+      reqs.push_back(r2);
+    }
+    for (t3d_request_t *r : reqs) {
+      std::string err;
+      EXPECT_EQ(Finish(r, &err), T3D_OK) << Tag(rank, err);
+    }
+    for (int i = 0; i < 4; ++i) {
+      Buf ea = Bytes(T3D_FLOAT32, count), eb = Bytes(T3D_INT32, count);
+      ReferenceReduce(T3D_FLOAT32, T3D_SUM, n, ea.data(), count, i);
+      ReferenceReduce(T3D_INT32, T3D_MAX, n, eb.data(), count, i);
+      EXPECT_EQ("", CompareBuffers(T3D_FLOAT32, outa[i].data(), ea.data(), count, 0.0)) << Tag(rank, "comm a");
+      EXPECT_EQ("", CompareBuffers(T3D_INT32, outb[i].data(), eb.data(), count, 0.0)) << Tag(rank, "comm b");
+    }
+    HostBarrier();  // nobody destroys a communicator a peer still reads
+    EXPECT_EQ(t3d_comm_destroy(a), T3D_OK);
+    EXPECT_EQ(t3d_comm_destroy(b), T3D_OK);
+  }, o);
+}
+
+INSTANTIATE_TEST_SUITE_P(World, Shm,
+                         ::testing::Values(Param{2, false}, Param{3, false}, Param{4, false}, Param{8, false},
+                                           Param{2, true}, Param{3, true}, Param{8, true}),
+                         ParamName);
+
+// ---------- failures ----------
+
+// The last rank never issues the collective: the others fail with T3D_ERR_TIMEOUT within twice the timeout, the
+// message naming the collective and that rank.
+void ExpectTimeoutNaming(int n, const std::string &opname,
+                         const std::function<t3d_result_t(t3d_comm_t *, int, t3d_request_t **)> &issue) {
+  const int64_t timeout_ms = 1000;
+  RunOptions o;
+  o.comm_timeout_ms = timeout_ms;
+  o.abort_on_failure = false;
+  RunRanks(n, [&](int rank, t3d_comm_t *comm) {
+    if (rank == n - 1) {
+      HostBarrier();  // until the others have their errors
+      return;
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    std::string err;
+    t3d_request_t *req = nullptr;
+    const t3d_result_t call = issue(comm, rank, &req);
+    t3d_result_t r = Complete(call, req, &err);
+    const auto ms =
+        std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0).count();
+    EXPECT_EQ(r, T3D_ERR_TIMEOUT) << Tag(rank, opname) << ": " << err;
+    EXPECT_LE(ms, 2 * timeout_ms) << Tag(rank, opname);
+    EXPECT_NE(err.find(opname), std::string::npos) << Tag(rank, err);
+    EXPECT_NE(err.find(std::to_string(n - 1)), std::string::npos) << Tag(rank, "does not name the rank: " + err);
+    EXPECT_NE(err.find("rank(s)"), std::string::npos) << Tag(rank, err);
+    EXPECT_EQ(t3d_comm_status(comm), T3D_ERR_TIMEOUT);
+    HostBarrier();
+  }, o);
+}
+
+TEST(ShmFailure, MissingRankTimesOutSmallAllreduce) {
+  std::vector<float> in(100, 1.0f), out(100);
+  ExpectTimeoutNaming(3, "allreduce", [&](t3d_comm_t *c, int, t3d_request_t **r) {
+    return t3d_allreduce(c, in.data(), out.data(), 100, T3D_FLOAT32, T3D_SUM, nullptr, r);
+  });
+}
+
+TEST(ShmFailure, MissingRankTimesOutLargeAllreduce) {
+  const size_t count = static_cast<size_t>(3) << 20;
+  std::vector<std::vector<float>> in(4, std::vector<float>(count, 1.0f)), out(4, std::vector<float>(count));
+  ExpectTimeoutNaming(4, "allreduce", [&](t3d_comm_t *c, int rank, t3d_request_t **r) {
+    return t3d_allreduce(c, in[rank].data(), out[rank].data(), count, T3D_FLOAT32, T3D_SUM, nullptr, r);
+  });
+}
+
+TEST(ShmFailure, MissingRootTimesOutBroadcast) {
+  std::vector<std::vector<char>> buf(3, std::vector<char>(5 << 20));
+  ExpectTimeoutNaming(3, "broadcast", [&](t3d_comm_t *c, int rank, t3d_request_t **r) {
+    return t3d_broadcast(c, buf[rank].data(), buf[rank].size(), T3D_UINT8, 2, nullptr, r);
+  });
+}
+
+TEST(ShmFailure, MissingRankTimesOutBarrier) {
+  ExpectTimeoutNaming(8, "barrier", [&](t3d_comm_t *c, int, t3d_request_t **r) { return t3d_barrier(c, nullptr, r); });
+}
+
+// Ranks that disagree on the size fail with T3D_ERR_MISMATCH (or time out), never with wrong data or a hang.
+TEST(ShmFailure, SizeMismatchIsReported) {
+  RunOptions o;
+  o.comm_timeout_ms = 1000;
+  o.abort_on_failure = false;
+  RunRanks(2, [&](int rank, t3d_comm_t *comm) {
+    const size_t count = rank == 0 ? 100 : 200;
+    std::vector<float> in(count, 1.0f), out(count);
+    std::string err;
+    t3d_request_t *req = nullptr;
+    const t3d_result_t call = t3d_allreduce(comm, in.data(), out.data(), count, T3D_FLOAT32, T3D_SUM, nullptr, &req);
+    t3d_result_t r = Complete(call, req, &err);
+    EXPECT_TRUE(r == T3D_ERR_MISMATCH || r == T3D_ERR_TIMEOUT) << Tag(rank, t3d_result_string(r)) << " " << err;
+    if (r == T3D_ERR_MISMATCH) {
+      EXPECT_NE(err.find("disagree"), std::string::npos) << err;
+    }
+  }, o);
+}
+
+// A segment larger than /dev/shm can hold fails init at once with T3D_ERR_NO_MEMORY and a reason naming /dev/shm and
+// T3D_SHM_BYTES (rank 0), and a matching failure on the other rank; nothing is left in /dev/shm.
+TEST(ShmFailure, SegmentTooLargeFailsInitClearly) {
+  struct statvfs fs;
+  if (statvfs("/dev/shm", &fs) != 0 || fs.f_blocks == 0) GTEST_SKIP() << "/dev/shm has no size limit to exceed";
+  const unsigned long long limit = static_cast<unsigned long long>(fs.f_blocks) * fs.f_frsize;
+  if (limit > (1ull << 42)) GTEST_SKIP() << "/dev/shm is too large to exceed safely";
+  // tmpfs refuses an fallocate beyond its size up front, before reserving anything.
+  setenv("T3D_SHM_BYTES", std::to_string(limit).c_str(), 1);
+  MemStore store;
+  const std::string prefix = UniqueName("shm-too-large");
+  t3d_result_t res[2] = {T3D_OK, T3D_OK};
+  std::vector<std::thread> ts;
+  for (int r = 0; r < 2; ++r) {
+    ts.emplace_back([&, r] {
+      t3d_config_t cfg;
+      t3d_config_init(&cfg);
+      cfg.timeout_ms = 10000;
+      cfg.key_prefix = prefix.c_str();
+      t3d_comm_t *c = nullptr;
+      res[r] = t3d_comm_init(&c, r, 2, store.store(), &cfg);
+      if (c) t3d_comm_destroy(c);
+    });
+  }
+  for (auto &t : ts) t.join();
+  unsetenv("T3D_SHM_BYTES");
+  EXPECT_EQ(res[0], T3D_ERR_NO_MEMORY) << t3d_result_string(res[0]);
+  EXPECT_NE(res[1], T3D_OK);
+  EXPECT_TRUE(OurSegments().empty());
+  // The reason went to the warning log (T3D_DEBUG=WARN, T3D_DEBUG_FILE set above) unless the user chose otherwise.
+  if (getenv("T3D_DEBUG_FILE") && kLogPath == getenv("T3D_DEBUG_FILE")) {
+    const std::string path = kLogPath + "." + std::to_string(getpid());
+    std::string log;
+    if (FILE *f = fopen(path.c_str(), "r")) {
+      char chunk[4096];
+      size_t got;
+      while ((got = fread(chunk, 1, sizeof chunk, f)) > 0) log.append(chunk, got);
+      fclose(f);
+    }
+    EXPECT_NE(log.find("/dev/shm"), std::string::npos) << log;
+    EXPECT_NE(log.find("T3D_SHM_BYTES"), std::string::npos) << log;
+  }
+}
+
+}  // namespace
