@@ -103,6 +103,7 @@ t3d_result_t t3d__request_new(t3d_comm_t *comm, t3d_op_kind_t kind, const t3d_op
   pthread_cond_init(&r->cv, NULL);
   r->timeout_ms = (opts != NULL && opts->timeout_ms > 0) ? opts->timeout_ms : comm->timeout_ms;
   r->scalar = opts != NULL ? opts->premul_scalar : 1.0;
+  r->flags = opts != NULL ? opts->flags : 0u;
   r->source = -1;
   *out = r;
   return T3D_OK;
@@ -285,6 +286,7 @@ t3d_result_t t3d__isend(t3d_exec_t *ex, int peer, uint32_t step, const void *buf
 
 t3d_result_t t3d__irecv(t3d_exec_t *ex, int peer, uint32_t step, void *buf, size_t bytes, t3d_xfer_t *x) {
   t3d_comm_t *c = ex->comm;
+  x->truncate = 0;
   return c->tp->irecv(c->tp_state, peer, t3d__coll_tag(ex->seq, step, peer), ~0ull, buf, bytes, x);
 }
 
@@ -405,6 +407,7 @@ static void post_p2p(t3d_comm_t *comm, t3d_request_t *r) {
   } else {
     uint64_t mask = r->root == T3D_ANY_SOURCE ? ~T3D_TAG_SRC_MASK : ~0ull;
     int src = r->root == T3D_ANY_SOURCE ? 0 : r->root;
+    r->xfer.truncate = (r->flags & T3D_FLAG_RECV_TRUNCATE) != 0;
     res = comm->tp->irecv(comm->tp_state, r->root, t3d__p2p_tag(r->tag, src), mask, r->recvbuf, bytes, &r->xfer);
   }
   if (res != T3D_OK) {

@@ -43,6 +43,7 @@ struct t3d_request {
   t3d_dtype_t dtype;
   t3d_redop_t op;
   double scalar;
+  unsigned flags;
   int root; /* also the peer of send/recv */
   int64_t tag;
   size_t *arrays; /* copied counts/displacements, one allocation */

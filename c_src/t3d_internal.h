@@ -54,9 +54,11 @@ typedef struct t3d_xfer {
   size_t posted; /* length posted (receives: capacity) */
   size_t bytes;  /* length received */
   int is_recv;
+  int truncate; /* receives: accept a longer message, keep its head (set before irecv) */
   int source;
   int peer;     /* the peer it was posted for (-1: any source) */
   void *handle; /* transport-owned */
+  void *probe;        /* transport-owned */
 } t3d_xfer_t;
 
 /* Message tags: 2 bits kind | 26 bits sequence or user tag | 20 bits step | 16 bits source rank. */

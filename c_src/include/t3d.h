@@ -89,7 +89,12 @@ void t3d_config_init(t3d_config_t *cfg);
 typedef struct t3d_opts {
   int64_t timeout_ms;   /* <= 0: the communicator's timeout */
   double premul_scalar; /* factor of T3D_PREMUL_SUM */
+  unsigned flags;       /* T3D_FLAG_* */
 } t3d_opts_t;
+
+/* t3d_recv: a message longer than the buffer fills it and the rest is dropped (not an error);
+ * t3d_request_count then reports the sender's count, larger than the posted one. */
+#define T3D_FLAG_RECV_TRUNCATE 1u
 
 typedef struct t3d_comm t3d_comm_t;
 typedef struct t3d_request t3d_request_t;
@@ -157,7 +162,8 @@ t3d_result_t t3d_alltoallv(t3d_comm_t *comm, const void *sendbuf, const size_t *
 t3d_result_t t3d_barrier(t3d_comm_t *comm, const t3d_opts_t *opts, t3d_request_t **req);
 
 /* Point-to-point. tag in [0, T3D_MAX_TAG]. A receive gets at most count elements; t3d_request_count says how many
- * arrived (more than count is T3D_ERR_MISMATCH). peer T3D_ANY_SOURCE receives from anyone. */
+ * arrived (more than count is T3D_ERR_MISMATCH, unless T3D_FLAG_RECV_TRUNCATE). peer T3D_ANY_SOURCE receives from
+ * anyone. */
 t3d_result_t t3d_send(t3d_comm_t *comm, const void *buf, size_t count, t3d_dtype_t dtype, int peer, int64_t tag,
                       const t3d_opts_t *opts, t3d_request_t **req);
 t3d_result_t t3d_recv(t3d_comm_t *comm, void *buf, size_t count, t3d_dtype_t dtype, int peer, int64_t tag,

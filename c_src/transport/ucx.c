@@ -7,8 +7,23 @@
 #include <string.h>
 #include <ucp/api/ucp.h>
 
+/* A receive that may be shorter than its message: matched by probing, so that the message's length is known and a
+ * longer one lands in a bounce buffer whose head is then copied out. Kept in posting order. */
+typedef struct probe_recv {
+  t3d_xfer_t *x;
+  uint64_t tag, mask;
+  void *buf;
+  size_t cap;
+  void *bounce;
+  size_t length;
+  uint64_t sender_tag;
+  int matched, completed;
+  struct probe_recv *next;
+} probe_recv_t;
+
 typedef struct ucx_state {
   t3d_comm_t *comm;
+  probe_recv_t *probes; /* oldest first */
   ucp_context_h context;
   ucp_worker_h worker;
   ucp_ep_h *eps;
@@ -67,6 +82,8 @@ static void recv_cb(void *request, ucs_status_t status, const ucp_tag_recv_info_
   if (status == UCS_OK) finish(x, status, info->length, (int)(info->sender_tag & T3D_TAG_SRC_MASK));
   else finish(x, status, 0, -1);
 }
+
+static int match_probes(ucx_state_t *st);
 
 static t3d_result_t ucx_init(t3d_comm_t *comm, void **state) {
   t3d_result_t res = T3D_OK;
@@ -150,6 +167,7 @@ static t3d_result_t ucx_isend(void *state, int peer, uint64_t tag, const void *b
   atomic_store(&x->done, 0);
   x->peer = peer;
   x->handle = NULL;
+  x->probe = NULL;
   x->posted = bytes;
   x->is_recv = 0;
   ucp_request_param_t p;
@@ -175,8 +193,24 @@ static t3d_result_t ucx_irecv(void *state, int peer, uint64_t tag, uint64_t tag_
   atomic_store(&x->done, 0);
   x->peer = peer;
   x->handle = NULL;
+  x->probe = NULL;
   x->posted = bytes;
   x->is_recv = 1;
+  if (x->truncate) {
+    probe_recv_t *pr = calloc(1, sizeof *pr);
+    if (pr == NULL) return T3D_ERR_NO_MEMORY;
+    pr->x = x;
+    pr->tag = tag;
+    pr->mask = tag_mask;
+    pr->buf = buf;
+    pr->cap = bytes;
+    probe_recv_t **l = &st->probes;
+    while (*l != NULL) l = &(*l)->next;
+    *l = pr;
+    x->probe = pr;
+    match_probes(st);
+    return T3D_OK;
+  }
   ucp_request_param_t p;
   memset(&p, 0, sizeof p);
   /* Always through the callback: UCX 1.13 does not report the length of an immediately matched message. */
@@ -192,9 +226,69 @@ static t3d_result_t ucx_irecv(void *state, int peer, uint64_t tag, uint64_t tag_
   return T3D_OK;
 }
 
+static void probe_unlink(ucx_state_t *st, probe_recv_t *pr) {
+  for (probe_recv_t **l = &st->probes; *l != NULL; l = &(*l)->next) {
+    if (*l == pr) {
+      *l = pr->next;
+      return;
+    }
+  }
+}
+
+/* May run inside ucp_tag_msg_recv_nbx itself: it only records the outcome; the sweep in match_probes frees. */
+static void probe_recv_cb(void *request, ucs_status_t status, const ucp_tag_recv_info_t *info, void *user_data) {
+  probe_recv_t *pr = user_data;
+  if (status == UCS_OK && pr->bounce != NULL) memcpy(pr->buf, pr->bounce, pr->cap);
+  free(pr->bounce);
+  pr->bounce = NULL;
+  pr->completed = 1;
+  if (status == UCS_OK) finish(pr->x, status, pr->length, (int)(pr->sender_tag & T3D_TAG_SRC_MASK));
+  else finish(pr->x, status, 0, -1);
+}
+
+/* Matches waiting probe receives in posting order. Messages arrive only inside ucp_worker_progress (single-threaded
+ * worker), so one pass cannot let a later receive overtake an earlier one with the same tag. */
+static int match_probes(ucx_state_t *st) {
+  int n = 0;
+  for (probe_recv_t *pr = st->probes; pr != NULL; pr = pr->next) {
+    if (pr->matched) continue;
+    ucp_tag_recv_info_t info;
+    ucp_tag_message_h msg = ucp_tag_probe_nb(st->worker, pr->tag, pr->mask, 1, &info);
+    if (msg == NULL) continue;
+    pr->matched = 1;
+    pr->length = info.length;
+    pr->sender_tag = info.sender_tag;
+    void *target = pr->buf;
+    if (info.length > pr->cap) target = pr->bounce = malloc(info.length);
+    ucp_request_param_t p;
+    memset(&p, 0, sizeof p);
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
+    p.cb.recv = probe_recv_cb;
+    p.user_data = pr;
+    static char dummy;
+    ucs_status_ptr_t r = ucp_tag_msg_recv_nbx(st->worker, target ? target : &dummy, info.length, msg, &p);
+    if (UCS_PTR_IS_ERR(r)) probe_recv_cb(NULL, UCS_PTR_STATUS(r), NULL, pr);
+    else pr->x->handle = r;
+    n++;
+  }
+  for (probe_recv_t **l = &st->probes; *l != NULL;) {
+    probe_recv_t *pr = *l;
+    if (!pr->completed) {
+      l = &pr->next;
+      continue;
+    }
+    pr->x->probe = NULL;
+    *l = pr->next;
+    free(pr);
+  }
+  return n;
+}
+
 static int ucx_progress(void *state) {
   ucx_state_t *st = state;
-  return (int)ucp_worker_progress(st->worker);
+  int n = (int)ucp_worker_progress(st->worker);
+  if (st->probes != NULL) n += match_probes(st);
+  return n;
 }
 
 static int ucx_peer_lost(void *state, int peer) {
@@ -204,7 +298,16 @@ static int ucx_peer_lost(void *state, int peer) {
 
 static void ucx_cancel(void *state, t3d_xfer_t *x) {
   ucx_state_t *st = state;
-  if (atomic_load_explicit(&x->done, memory_order_acquire) || x->handle == NULL) return;
+  if (atomic_load_explicit(&x->done, memory_order_acquire)) return;
+  if (x->handle == NULL && x->probe != NULL) { /* a probe receive not matched yet */
+    probe_recv_t *pr = x->probe;
+    probe_unlink(st, pr);
+    free(pr);
+    x->probe = NULL;
+    finish(x, UCS_ERR_CANCELED, 0, -1);
+    return;
+  }
+  if (x->handle == NULL) return;
   ucp_request_cancel(st->worker, x->handle);
   /* A send that is mid-flight may not honour the cancel; progress a bounded while, then leave it marked done.
    * The request stays owned by UCX and is reclaimed when the worker is destroyed. */
@@ -250,6 +353,12 @@ static void ucx_fini(void *state) {
         }
       }
     }
+  }
+  while (st->probes != NULL) {
+    probe_recv_t *pr = st->probes;
+    st->probes = pr->next;
+    free(pr->bounce);
+    free(pr);
   }
   if (st->worker != NULL) ucp_worker_destroy(st->worker);
   if (st->context != NULL) ucp_cleanup(st->context);

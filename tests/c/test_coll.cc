@@ -30,7 +30,7 @@ using Buf = std::vector<unsigned char>;
 Buf Bytes(t3d_dtype_t dt, size_t n) { return Buf(std::max<size_t>(1, n * t3d_dtype_size(dt)), kFill); }
 
 t3d_opts_t Opts(t3d_dtype_t dt) {
-  t3d_opts_t o;
+  t3d_opts_t o{};
   o.timeout_ms = 0;
   o.premul_scalar = PremulScalar(dt);
   return o;

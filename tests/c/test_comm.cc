@@ -389,7 +389,7 @@ TEST(Comm, PerCallTimeout) {
   o.abort_on_failure = false;
   RunRanks(2, [](int rank, t3d_comm_t *comm) {
     if (rank == 1) {
-      t3d_opts_t opts;
+      t3d_opts_t opts{};
       opts.timeout_ms = 500;
       opts.premul_scalar = 1.0;
       const auto t0 = Clock::now();

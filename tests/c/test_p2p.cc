@@ -214,6 +214,42 @@ TEST(P2P, UsableAfterTruncation) {
   });
 }
 
+// With T3D_FLAG_RECV_TRUNCATE a longer message fills the buffer with its head, reports the sender's count, writes
+// nothing past the buffer, and keeps later messages of the same tag in order (eager and rendezvous sizes).
+TEST(P2P, TruncateFlagKeepsHead) {
+  RunRanks(2, [](int rank, t3d_comm_t *comm) {
+    for (size_t sent : {static_cast<size_t>(8), static_cast<size_t>(300000)}) {
+      const size_t cap = sent / 2;
+      Buf first = Payload(T3D_UINT8, 0, 3, sent), second = Payload(T3D_UINT8, 0, 4, cap);
+      if (rank == 0) {
+        EXPECT_TRUE(RunOk(comm, "send long", [&](t3d_request_t **q) {
+          return t3d_send(comm, first.data(), sent, T3D_UINT8, 1, 5, nullptr, q);
+        }));
+        EXPECT_TRUE(RunOk(comm, "send exact", [&](t3d_request_t **q) {
+          return t3d_send(comm, second.data(), cap, T3D_UINT8, 1, 5, nullptr, q);
+        }));
+      } else {
+        t3d_opts_t o{};
+        o.flags = T3D_FLAG_RECV_TRUNCATE;
+        Buf a = Bytes(T3D_UINT8, cap + 8), b = Bytes(T3D_UINT8, cap);
+        t3d_request_t *qa = nullptr, *qb = nullptr;
+        ASSERT_EQ(t3d_recv(comm, a.data(), cap, T3D_UINT8, 0, 5, &o, &qa), T3D_OK);
+        ASSERT_EQ(t3d_recv(comm, b.data(), cap, T3D_UINT8, 0, 5, &o, &qb), T3D_OK);
+        EXPECT_EQ(t3d_wait(qa, 60000), T3D_OK) << t3d_request_error(qa);
+        EXPECT_EQ(t3d_wait(qb, 60000), T3D_OK) << t3d_request_error(qb);
+        EXPECT_EQ(t3d_request_count(qa), sent);
+        EXPECT_EQ(t3d_request_count(qb), cap);
+        EXPECT_EQ("", Diff(a, first, cap)) << "sent " << sent;
+        EXPECT_EQ("", Diff(b, second, cap)) << "sent " << sent;
+        for (size_t i = cap; i < cap + 8; ++i) ASSERT_EQ(a[i], 0xA5) << "byte " << i << " past the buffer written";
+        t3d_request_free(qa);
+        t3d_request_free(qb);
+      }
+      if (!HostBarrier()) return;
+    }
+  });
+}
+
 // Every rank sends right and receives from the left inside one group: sends first would deadlock with blocking
 // semantics; the group must not. Large messages force the rendezvous path.
 TEST(P2P, RingExchangeInGroup) {

@@ -66,7 +66,7 @@ const Case kCases[] = {
 };
 
 t3d_opts_t Opts(t3d_dtype_t dt) {
-  t3d_opts_t o;
+  t3d_opts_t o{};
   o.timeout_ms = 0;
   o.premul_scalar = PremulScalar(dt);
   return o;
