@@ -6,41 +6,36 @@ point does so during `import torch`, so `dist.init_process_group("t3d")` works w
 
 from __future__ import annotations
 
-import sys
 
 __version__ = "0.1.0"
 BACKEND_NAME = "t3d"
 
-# Set when loading failed under torch's autoload; attribute access then explains why (see __getattr__).
-_LOAD_ERROR: BaseException | None = None
+# Submodules loaded on first attribute access (t3d.nn, t3d.cp, ...), so that `import t3d` stays cheap.
+_LAZY_SUBMODULES = ("ops", "nn", "cp", "hf", "bench")
 
 
-def _imported_by_torch_autoload() -> bool:
-    # The entry point "t3d._autoload:autoload" imports this package first, from torch/__init__.py's
-    # _import_device_backends, which turns any exception into a failed `import torch`.
-    f = sys._getframe(1)
-    while f is not None:
-        if f.f_code.co_name == "_import_device_backends" and f.f_globals.get("__name__") == "torch":
-            return True
-        f = f.f_back
-    return False
+def __getattr__(name: str):
+    if name in _LAZY_SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+import torch  # noqa: E402,F401  (loads libtorch before the extension that links it)
+import torch.distributed  # noqa: F401  (registers the c10d types the extension's signatures use)
+
+from . import _C
+from ._backend import register
+
+register()
+# The attention ops' autograd and CUDA kernels; a failure there must not take the backend down with it.
 try:
-    import torch  # noqa: F401  (loads libtorch before the extension that links it)
-    import torch.distributed  # noqa: F401  (registers the c10d types the extension's signatures use)
+    from . import ops  # noqa: F401
+except Exception as _ops_exc:  # noqa: BLE001
+    import warnings
 
-    from . import _C
-    from ._backend import register
-
-    register()
-except Exception as _exc:  # noqa: BLE001
-    if not _imported_by_torch_autoload():
-        raise
-    _LOAD_ERROR = _exc
-
-    def __getattr__(name: str):
-        raise ImportError(f"t3d failed to load during `import torch`: {_LOAD_ERROR!r}") from _LOAD_ERROR
+    warnings.warn(f"t3d: attention ops unavailable: {_ops_exc!r}", RuntimeWarning, stacklevel=2)
 
 
 def _cpu_features() -> list[str]:
@@ -58,8 +53,6 @@ def _cpu_features() -> list[str]:
 
 def build_info() -> dict:
     """Versions and capabilities of this build: t3d, the torch it was built against, CUDA/NCCL/UCX, CPU features."""
-    if _LOAD_ERROR is not None:
-        raise ImportError(f"t3d failed to load: {_LOAD_ERROR!r}") from _LOAD_ERROR
     import torch
 
     info = dict(_C._build_info())

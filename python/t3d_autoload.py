@@ -1,8 +1,9 @@
 """Entry point of group "torch.backends": torch calls autoload() at the end of `import torch`.
 
-It must never raise (that would break `import torch` for every script in the environment), so a failure to load t3d
-becomes a warning and `dist.init_process_group("t3d")` then reports the unknown backend. Importing this module runs
-t3d/__init__.py first; that file catches its own failures when it sees it is being loaded from torch's autoload.
+It lives outside the t3d package on purpose: torch turns any exception raised while *loading* an entry point into a
+failed `import torch`, and loading a module inside t3d would first run t3d/__init__.py. This module imports nothing
+at load time, and autoload() turns every failure into a warning; `dist.init_process_group("t3d")` then reports the
+unknown backend.
 """
 
 import os
@@ -13,10 +14,7 @@ def autoload() -> None:
     if os.environ.get("T3D_AUTOLOAD", "1") == "0":
         return
     try:
-        import t3d  # registers the backend
-
-        if t3d._LOAD_ERROR is not None:
-            raise t3d._LOAD_ERROR
+        import t3d  # noqa: F401  (registers the backend)
     except Exception as exc:  # noqa: BLE001  (anything, including a missing shared library)
         warnings.warn(
             f"t3d: could not load the t3d backend ({type(exc).__name__}: {exc}); "

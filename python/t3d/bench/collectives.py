@@ -1,0 +1,451 @@
+"""`t3d-bench collectives`: nccl-tests style collective benchmark through torch.distributed, backends side by side.
+
+For each backend (t3d, gloo, and Open MPI through mpi4py when installed) N CPU processes run each op over a range of
+sizes and report time, algbw and busbw with nccl-tests' formulas, plus a correctness check. The same run measures
+the machine's memory-copy bandwidth and prints, for all_reduce, the bound busbw <= 2(n-1)/n * B/(3n+1) with
+B = read+write copy bandwidth (docs/benchmarks/README.md derives it), and torch's dispatch floor: the time of a
+collective call on the "fake" backend, which does no communication.
+
+    t3d-bench collectives --nproc 2 [--backends t3d,gloo,mpi] [--ops all_reduce,...] [--min 8] [--max 256M]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
+
+# nccl-tests: busbw = algbw * factor; S is the size of the whole array (per rank for all_reduce and broadcast).
+def bus_factor(op: str, n: int) -> float:
+    if op == "all_reduce":
+        return 2.0 * (n - 1) / n
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) / n
+    return 1.0
+
+
+def parse_size(text: str) -> int:
+    text = text.strip().upper()
+    mult = 1
+    for suffix, m in (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30)):
+        if text.endswith(suffix):
+            text, mult = text[:-1], m
+    return int(float(text) * mult)
+
+
+def sizes_between(lo: int, hi: int) -> list[int]:
+    out, s = [], lo
+    while s <= hi:
+        out.append(s)
+        s *= 4 if s < (1 << 20) else 2
+    return out
+
+
+def iters_for(nbytes: int) -> tuple[int, int]:
+    """(warmup, timed) iterations: many for small messages, few for large ones (the box has 2 cores)."""
+    if nbytes <= 64 << 10:
+        return 20, 200
+    if nbytes <= 4 << 20:
+        return 5, 40
+    return 2, 8
+
+
+# ---------------------------------------------------------------- one rank, torch.distributed backends
+
+def _make_op(op: str, nbytes: int, rank: int, n: int, dist, torch):
+    """Buffers, a callable that runs the op once, and a checker of the last result."""
+    count = max(1, nbytes // 4)
+    if op == "all_reduce":
+        x = torch.full((count,), float(rank + 1))
+        expect = n * (n + 1) / 2
+
+        def run():
+            x.fill_(float(rank + 1))
+            dist.all_reduce(x)
+        return run, lambda: bool(torch.all(x == expect)), count * 4
+    if op == "all_gather":
+        per = max(1, count // n)
+        x = torch.full((per,), float(rank))
+        out = torch.empty(per * n)
+        expect = torch.arange(n, dtype=torch.float32).repeat_interleave(per)
+        return (lambda: dist.all_gather_into_tensor(out, x)), (lambda: bool(torch.equal(out, expect))), per * n * 4
+    if op == "reduce_scatter":
+        per = max(1, count // n)
+        x = torch.full((per * n,), float(rank + 1))
+        out = torch.empty(per)
+        return ((lambda: dist.reduce_scatter_tensor(out, x)),
+                (lambda: bool(torch.all(out == n * (n + 1) / 2))), per * n * 4)
+    if op == "all_to_all":
+        per = max(1, count // n)
+        x = torch.full((per * n,), float(rank))
+        out = torch.empty(per * n)
+        expect = torch.arange(n, dtype=torch.float32).repeat_interleave(per)
+        return (lambda: dist.all_to_all_single(out, x)), (lambda: bool(torch.equal(out, expect))), per * n * 4
+    if op == "broadcast":
+        x = torch.empty(count)
+
+        def run():
+            if rank == 0:
+                x.fill_(7.0)
+            dist.broadcast(x, src=0)
+        return run, lambda: bool(torch.all(x == 7.0)), count * 4
+    if op == "send_recv":
+        x = torch.full((count,), float(rank))
+        buf = torch.empty(count)
+
+        def run():  # ring shift: everyone sends and receives once
+            ops = [dist.P2POp(dist.isend, x, (rank + 1) % n), dist.P2POp(dist.irecv, buf, (rank - 1) % n)]
+            for w in dist.batch_isend_irecv(ops):
+                w.wait()
+        return run, lambda: bool(torch.all(buf == float((rank - 1) % n))), count * 4
+    raise ValueError(f"unknown op {op!r}")
+
+
+def _rank_main(rank: int, n: int, backend: str, init: str, ops: list[str], sizes: list[int], out_q) -> None:
+    import torch
+    import torch.distributed as dist
+
+    if backend == "t3d":
+        import t3d  # noqa: F401
+    torch.set_num_threads(1)
+    dist.init_process_group(backend, init_method=f"file://{init}", rank=rank, world_size=n,
+                            timeout=timedelta(seconds=300))
+    rows = []
+    try:
+        for op in ops:
+            if op == "send_recv" and n < 2:
+                continue
+            for nbytes in sizes:
+                run, check, size_b = _make_op(op, nbytes, rank, n, dist, torch)
+                warm, iters = iters_for(nbytes)
+                for _ in range(warm):
+                    run()
+                ok = check()
+                dist.barrier()
+                t0 = time.perf_counter()
+                for _ in range(iters):
+                    run()
+                dt = (time.perf_counter() - t0) / iters
+                # the slowest rank's time is the op's time, as in nccl-tests
+                stat = torch.tensor([dt, 0.0 if ok else 1.0], dtype=torch.float64)
+                dist.all_reduce(stat, op=dist.ReduceOp.MAX)
+                rows.append({"op": op, "bytes": size_b, "time_us": stat[0].item() * 1e6,
+                             "wrong": int(stat[1].item())})
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        out_q.put(rows)
+
+
+def run_torch_backend(backend: str, n: int, ops: list[str], sizes: list[int], timeout: float) -> list[dict]:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=_rank_main, args=(r, n, backend, os.path.join(tmp, "init"), ops, sizes, q))
+                 for r in range(n)]
+        for p in procs:
+            p.start()
+        try:
+            rows = q.get(timeout=timeout)
+        except Exception as exc:
+            raise RuntimeError(f"backend {backend}: no result within {timeout:.0f} s "
+                               f"(exit codes {[p.exitcode for p in procs]})") from exc
+        finally:
+            for p in procs:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.kill()
+    return rows
+
+
+# ---------------------------------------------------------------- Open MPI through mpi4py
+
+MPI_HINT = ("sudo apt-get install -y openmpi-bin libopenmpi-dev && "
+            "<venv>/bin/pip install mpi4py  # then rerun with --backends ...,mpi")
+
+_MPI_SCRIPT = r"""
+import json, sys, time
+import numpy as np
+from mpi4py import MPI
+comm = MPI.COMM_WORLD
+rank, n = comm.Get_rank(), comm.Get_size()
+ops, sizes = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+def iters_for(b):
+    return (20, 200) if b <= 64 << 10 else ((5, 40) if b <= 4 << 20 else (2, 8))
+rows = []
+for op in ops:
+    if op == "send_recv" and n < 2:
+        continue
+    for nbytes in sizes:
+        count = max(1, nbytes // 4); per = max(1, count // n)
+        if op == "all_reduce":
+            x = np.full(count, rank + 1.0, np.float32); out = np.empty_like(x); size_b = count * 4
+            run = lambda: comm.Allreduce(x, out, op=MPI.SUM); check = lambda: bool(np.all(out == n * (n + 1) / 2))
+        elif op == "all_gather":
+            x = np.full(per, float(rank), np.float32); out = np.empty(per * n, np.float32); size_b = per * n * 4
+            exp = np.repeat(np.arange(n, dtype=np.float32), per)
+            run = lambda: comm.Allgather(x, out); check = lambda: bool(np.array_equal(out, exp))
+        elif op == "reduce_scatter":
+            x = np.full(per * n, rank + 1.0, np.float32); out = np.empty(per, np.float32); size_b = per * n * 4
+            run = lambda: comm.Reduce_scatter_block(x, out, op=MPI.SUM)
+            check = lambda: bool(np.all(out == n * (n + 1) / 2))
+        elif op == "all_to_all":
+            x = np.full(per * n, float(rank), np.float32); out = np.empty(per * n, np.float32); size_b = per * n * 4
+            exp = np.repeat(np.arange(n, dtype=np.float32), per)
+            run = lambda: comm.Alltoall(x, out); check = lambda: bool(np.array_equal(out, exp))
+        elif op == "broadcast":
+            x = np.full(count, 7.0 if rank == 0 else 0.0, np.float32); size_b = count * 4
+            run = lambda: comm.Bcast(x, root=0); check = lambda: bool(np.all(x == 7.0))
+        else:
+            x = np.full(count, float(rank), np.float32); out = np.empty(count, np.float32); size_b = count * 4
+            run = lambda: comm.Sendrecv(x, (rank + 1) % n, 0, out, (rank - 1) % n, 0)
+            check = lambda: bool(np.all(out == float((rank - 1) % n)))
+        warm, iters = iters_for(nbytes)
+        for _ in range(warm):
+            run()
+        ok = check(); comm.Barrier(); t0 = time.perf_counter()
+        for _ in range(iters):
+            run()
+        dt = (time.perf_counter() - t0) / iters
+        dt = comm.allreduce(dt, op=MPI.MAX); wrong = comm.allreduce(0 if ok else 1, op=MPI.MAX)
+        rows.append({"op": op, "bytes": size_b, "time_us": dt * 1e6, "wrong": wrong})
+if rank == 0:
+    print("T3D_BENCH_ROWS " + json.dumps(rows))
+"""
+
+
+def mpi_available() -> str | None:
+    """None when Open MPI + mpi4py can run here, else why not."""
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        return f"mpi4py is not installed ({MPI_HINT})"
+    if shutil.which("mpirun") is None:
+        return f"mpirun is not on PATH ({MPI_HINT})"
+    return None
+
+
+def run_mpi(n: int, ops: list[str], sizes: list[int], timeout: float) -> list[dict]:
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(_MPI_SCRIPT)
+        script = f.name
+    cmd = ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(n)]
+    if os.geteuid() == 0:
+        cmd.append("--allow-run-as-root")
+    cmd += [sys.executable, script, json.dumps(ops), json.dumps(sizes)]
+    env = dict(os.environ, OMPI_MCA_btl="self,vader", OMP_NUM_THREADS="1")
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    finally:
+        os.unlink(script)
+    for line in res.stdout.splitlines():
+        if line.startswith("T3D_BENCH_ROWS "):
+            return json.loads(line[len("T3D_BENCH_ROWS "):])
+    raise RuntimeError(f"mpirun failed (exit {res.returncode}): {res.stderr.strip()[-500:]}")
+
+
+# ---------------------------------------------------------------- references: copy bandwidth, dispatch floor
+
+def copy_bandwidth() -> float:
+    """Read+write bytes per second of one large single-threaded copy (the physical reference B)."""
+    import torch
+
+    torch.set_num_threads(1)
+    src = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB: well beyond the caches
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.numel() / best
+
+
+def _floor_main(out_q) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    torch.set_num_threads(1)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    x = torch.ones(2)
+    for _ in range(100):
+        dist.all_reduce(x)
+    t0 = time.perf_counter()
+    iters = 2000
+    for _ in range(iters):
+        dist.all_reduce(x)
+    out_q.put((time.perf_counter() - t0) / iters * 1e6)
+    dist.destroy_process_group()
+
+
+def dispatch_floor_us() -> float | None:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_floor_main, args=(q,))
+    p.start()
+    try:
+        return q.get(timeout=120)
+    except Exception:
+        return None
+    finally:
+        p.join(timeout=10)
+
+
+# ---------------------------------------------------------------- report
+
+def human(nbytes: int) -> str:
+    for unit, m in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= m:
+            return f"{nbytes / m:g} {unit}"
+    return f"{nbytes} B"
+
+
+def allreduce_bound(n: int, B: float) -> float:
+    return 2.0 * (n - 1) / n * B / (3 * n + 1)
+
+
+def render(results: dict, n: int, B: float, floor: float | None, skipped: dict) -> str:
+    lines = [f"# t3d-bench collectives: {n} ranks",
+             "",
+             f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
+             f"load average at start {results['_load']:.1f}. Copy bandwidth B (read+write, one thread): "
+             f"{B / 1e9:.1f} GB/s. all_reduce bound 2(n-1)/n * B/(3n+1) = {allreduce_bound(n, B) / 1e9:.2f} GB/s."]
+    if floor is not None:
+        lines.append(f"torch dispatch floor (all_reduce on the no-op 'fake' backend): {floor:.1f} us.")
+    for name, why in skipped.items():
+        lines.append(f"Skipped {name}: {why}")
+    backends = [b for b in results if not b.startswith("_")]
+    ops = sorted({r["op"] for b in backends for r in results[b]}, key=OPS.index)
+    for op in ops:
+        lines += ["", f"## {op}", ""]
+        head = "| size | " + " | ".join(f"{b} time (us) | {b} busbw (GB/s)" for b in backends)
+        if "t3d" in backends and len(backends) > 1:
+            head += " | " + " | ".join(f"t3d/{b}" for b in backends if b != "t3d")
+        if op == "all_reduce":
+            head += " | bound (GB/s)"
+        lines += [head + " | check |", "|" + "---|" * (head.count("|"))]
+        by = {b: {r["bytes"]: r for r in results[b] if r["op"] == op} for b in backends}
+        for size in sorted({s for b in backends for s in by[b]}):
+            cells, wrong = [human(size)], 0
+            for b in backends:
+                r = by[b].get(size)
+                if r is None:
+                    cells += ["-", "-"]
+                    continue
+                algbw = size / (r["time_us"] * 1e-6)
+                cells += [f"{r['time_us']:.1f}", f"{algbw * bus_factor(op, n) / 1e9:.3f}"]
+                wrong += r["wrong"]
+            if "t3d" in backends and len(backends) > 1:
+                for b in backends:
+                    if b == "t3d":
+                        continue
+                    a, o = by["t3d"].get(size), by[b].get(size)
+                    cells.append(f"{o['time_us'] / a['time_us']:.2f}x" if a and o else "-")
+            if op == "all_reduce":
+                cells.append(f"{allreduce_bound(n, B) / 1e9:.2f}")
+            cells.append("ok" if wrong == 0 else "WRONG")
+            lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "t3d/X is X's time over t3d's: above 1 means t3d is faster."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, n: int, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    backends = [b for b in results if not b.startswith("_")]
+    ops = sorted({r["op"] for b in backends for r in results[b]}, key=OPS.index)
+    fig, axes = plt.subplots(1, len(ops), figsize=(4 * len(ops), 3.4), squeeze=False)
+    for ax, op in zip(axes[0], ops):
+        for b in backends:
+            rows = sorted((r for r in results[b] if r["op"] == op), key=lambda r: r["bytes"])
+            xs = [r["bytes"] for r in rows]
+            ys = [r["bytes"] / (r["time_us"] * 1e-6) * bus_factor(op, n) / 1e9 for r in rows]
+            ax.plot(xs, ys, marker="o", ms=3, label=b)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"{op} ({n} ranks)")
+        ax.set_xlabel("bytes")
+        ax.set_ylabel("busbw GB/s")
+        ax.grid(True, alpha=0.3)
+    axes[0][0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("collectives", help="nccl-tests style collective benchmark, backends side by side",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--backends", default="t3d,gloo,mpi", help="comma list among t3d, gloo, mpi")
+    p.add_argument("--ops", default=",".join(OPS), help="comma list among " + ", ".join(OPS))
+    p.add_argument("--min", default="8", help="smallest message (bytes; K/M/G suffixes)")
+    p.add_argument("--max", default="256M", help="largest message")
+    p.add_argument("--out", default=None, help="directory for JSON/markdown/PNG (default docs/benchmarks)")
+    p.add_argument("--tag", default=None, help="file name stem (default collectives-<n>ranks)")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per backend")
+
+
+def run(args) -> int:
+    n = args.nproc
+    ops = [o for o in args.ops.split(",") if o]
+    bad = [o for o in ops if o not in OPS]
+    if bad:
+        print(f"t3d-bench: unknown op(s) {bad}; choose from {', '.join(OPS)}", file=sys.stderr)
+        return 2
+    sizes = sizes_between(parse_size(args.min), parse_size(args.max))
+    results: dict = {"_load": os.getloadavg()[0]}
+    skipped: dict = {}
+    B = copy_bandwidth()
+    floor = dispatch_floor_us()
+    print(f"copy bandwidth B = {B / 1e9:.1f} GB/s (read+write); dispatch floor "
+          f"{'n/a' if floor is None else f'{floor:.1f} us'}; load {results['_load']:.1f}", flush=True)
+    for b in [x for x in args.backends.split(",") if x]:
+        if b == "mpi":
+            why = mpi_available()
+            if why:
+                skipped["mpi (Open MPI via mpi4py)"] = why
+                print(f"skipping mpi: {why}", flush=True)
+                continue
+        t0 = time.time()
+        try:
+            rows = run_mpi(n, ops, sizes, args.timeout) if b == "mpi" else run_torch_backend(b, n, ops, sizes,
+                                                                                            args.timeout)
+        except Exception as exc:  # a peer that fails is reported, not fatal to the others
+            skipped[b] = str(exc)
+            print(f"{b} failed: {exc}", flush=True)
+            continue
+        results[b] = rows
+        print(f"{b}: {len(rows)} rows in {time.time() - t0:.0f} s", flush=True)
+    md = render(results, n, B, floor, skipped)
+    print(md)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    out = args.out or os.path.join(root, "docs", "benchmarks")
+    os.makedirs(out, exist_ok=True)
+    stem = os.path.join(out, args.tag or f"collectives-{n}ranks")
+    with open(stem + ".json", "w") as f:
+        json.dump({"nproc": n, "copy_bandwidth": B, "dispatch_floor_us": floor, "skipped": skipped,
+                   "results": results, "command": " ".join(["t3d-bench", "collectives"] + sys.argv[2:])}, f,
+                  indent=1)
+    with open(stem + ".md", "w") as f:
+        f.write(md)
+    plot(results, n, stem + ".png")
+    print(f"saved {stem}.json, .md, .png")
+    return 0

@@ -1,0 +1,223 @@
+"""Command line of t3d-train: the knobs, the torchrun launcher (--nproc), and the backend comparison mode."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+DESCRIPTION = """\
+The 3D-parallel (dp x tp x cp) training workflow of transformers' examples/3D_parallel.py on backend t3d, on CPU
+or CUDA, with an embedded tiny Llama and generated data (nothing from a hub).
+
+  t3d-train                              # dp 2 x tp 2 x cp 2 on 8 ranks (launches torchrun itself)
+  t3d-train --dp 1 --tp 2 --cp 1         # any layout; world size = dp*tp*cp
+  torchrun --nproc-per-node 4 -m t3d.train --dp 2 --tp 2 --cp 1
+  t3d-train --resume --ckpt-dir DIR --dp 4 --tp 1 --cp 2 --steps 80   # continue under another layout
+  t3d-train --compare-backends           # t3d vs gloo on the layouts gloo can run
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="t3d-train", description=DESCRIPTION,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("layout")
+    g.add_argument("--dp", type=int, default=2, help="data-parallel degree (FSDP NO_SHARD) [2]")
+    g.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (model's TP plan) [2]")
+    g.add_argument("--cp", type=int, default=2, help="context-parallel degree (torch context_parallel) [2]")
+    g.add_argument("--cp-rotate", choices=["allgather", "alltoall"], default="allgather",
+                   help="how context parallelism passes key/value shards (torch set_rotate_method) [allgather]")
+    g.add_argument("--nproc", type=int, default=None,
+                   help="launch this many ranks through torchrun (must equal dp*tp*cp; default: dp*tp*cp "
+                        "when not already under torchrun)")
+    g = p.add_argument_group("training")
+    g.add_argument("--global-batch", type=int, default=8, help="sequences per step over all dp ranks [8]")
+    g.add_argument("--seq-len", type=int, default=64, help="tokens (bytes) per sequence [64]")
+    g.add_argument("--steps", type=int, default=100, help="total optimizer steps (a resumed run counts on) [100]")
+    g.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate [3e-3]")
+    g.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping norm [1.0]")
+    g.add_argument("--seed", type=int, default=0, help="data generation and shuffling seed [0]")
+    g.add_argument("--model-seed", type=int, default=0, help="seed of the cached tiny model's initial weights [0]")
+    g.add_argument("--num-sequences", type=int, default=1024, help="packed sequences in the generated dataset")
+    g.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="model dtype [float32]")
+    g = p.add_argument_group("system")
+    g.add_argument("--backend", choices=["t3d", "gloo", "nccl"], default="t3d", help="process group backend [t3d]")
+    g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="[auto: cuda if present]")
+    g.add_argument("--timeout", type=float, default=300.0, help="process group timeout, seconds [300]")
+    g.add_argument("--model-cache", default=None,
+                   help="folder of the saved tiny model [$T3D_MODEL_CACHE or ~/.cache/t3d/models]")
+    g = p.add_argument_group("checkpoint and output")
+    g.add_argument("--ckpt-dir", default=None, help="DCP checkpoints, metrics.json and loss.png "
+                                                   "[./t3d-train-ckpt/<layout>]")
+    g.add_argument("--ckpt-interval", type=int, default=0, help="also save every N steps (0: only at the end)")
+    g.add_argument("--resume", nargs="?", const="latest", default=None,
+                   help="continue from a checkpoint: the latest in --ckpt-dir, or the given step folder / dir")
+    g.add_argument("--no-save", action="store_true", help="skip the final checkpoint")
+    g.add_argument("--no-plot", action="store_true", help="skip the loss curve PNG")
+    g.add_argument("--no-progress", action="store_true", help="no tqdm bar (per-step lines still print)")
+    g.add_argument("--metrics-json", default=None, help="write per-step metrics here [<ckpt-dir>/metrics.json]")
+    g = p.add_argument_group("comparison")
+    g.add_argument("--compare-backends", action="store_true",
+                   help="time t3d against gloo on TP-only layouts (gloo cannot run dp/cp > 1) and print a table")
+    g.add_argument("--compare-layouts", default="1x2x1,1x4x1,2x2x2",
+                   help="dp x tp x cp layouts for --compare-backends [1x2x1,1x4x1,2x2x2]")
+    return p
+
+
+def _strip_nproc(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a == "--nproc":
+            skip = True
+            continue
+        if a.startswith("--nproc="):
+            continue
+        out.append(a)
+    return out
+
+
+def _child_env(nproc: int) -> dict:
+    env = dict(os.environ)
+    # More ranks than cores (8 on 2 here): intra-op threads would only fight over the cores.
+    if nproc > 1:
+        env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def torchrun_command(nproc: int, argv: list[str]) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+            "-m", "t3d.train", *argv]
+
+
+def launch(nproc: int, argv: list[str], quiet: bool = False, timeout: float | None = None) -> int:
+    cmd = torchrun_command(nproc, _strip_nproc(argv))
+    if not quiet:
+        print("t3d-train: launching " + " ".join(cmd[1:]), file=sys.stderr, flush=True)
+    try:
+        return subprocess.call(cmd, env=_child_env(nproc), timeout=timeout)
+    except KeyboardInterrupt:
+        return 130
+
+
+def _run_single(args) -> int:
+    # One rank without torchrun: give init_process_group the env:// variables a launcher would set.
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
+        os.environ.setdefault(k, v)
+    from .loop import run
+
+    return run(args)
+
+
+def _parse_layout(text: str):
+    from .loop import Layout
+
+    dp, tp, cp = (int(x) for x in text.lower().split("x"))
+    return Layout(dp, tp, cp)
+
+
+def compare_backends(args, argv: list[str]) -> int:
+    """Run each layout on t3d and on gloo (where gloo can) and print a markdown table of step times."""
+    from .loop import gloo_refusal
+
+    base = [a for a in _strip_nproc(argv) if a != "--compare-backends"]
+    drop = {"--dp", "--tp", "--cp", "--backend", "--ckpt-dir", "--metrics-json", "--compare-layouts", "--resume"}
+    cleaned, skip = [], False
+    for a in base:
+        if skip:
+            skip = False
+            continue
+        key = a.split("=", 1)[0]
+        if key in drop:
+            skip = "=" not in a and key != "--resume"
+            continue
+        cleaned.append(a)
+    work = tempfile.mkdtemp(prefix="t3d-compare-")
+    rows = []
+    try:
+        for text in args.compare_layouts.split(","):
+            layout = _parse_layout(text)
+            for backend in ("t3d", "gloo"):
+                why = gloo_refusal(backend, layout)
+                if why:
+                    rows.append((str(layout), backend, None, "cannot run: gloo has no ReduceOp.AVG "
+                                 "(loss/grad all-reduce over dp_cp)"))
+                    continue
+                out = os.path.join(work, f"{layout}-{backend}")
+                run_argv = cleaned + ["--dp", str(layout.dp), "--tp", str(layout.tp), "--cp", str(layout.cp),
+                                      "--backend", backend, "--ckpt-dir", out, "--no-save", "--no-plot",
+                                      "--no-progress"]
+                t0 = time.perf_counter()
+                rc = subprocess.call(torchrun_command(layout.world, run_argv), env=_child_env(layout.world),
+                                     stdout=subprocess.DEVNULL)
+                wall = time.perf_counter() - t0
+                if rc != 0:
+                    rows.append((str(layout), backend, None, f"failed (exit {rc})"))
+                    continue
+                with open(os.path.join(out, "metrics.json")) as f:
+                    s = json.load(f)["summary"]
+                rows.append((str(layout), backend, s, f"{wall:.1f}"))
+                print(f"  {layout} {backend}: {s['step_time_mean_s'] * 1000:.1f} ms/step", file=sys.stderr)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print()
+    print(f"t3d vs gloo: {args.steps} steps, global batch {args.global_batch} x seq {args.seq_len}, "
+          f"{os.cpu_count()} cores; mean step time without the first step")
+    print()
+    print("| layout | ranks | backend | step time (ms) | tokens/s | loss first -> last | wall (s) |")
+    print("|---|---|---|---|---|---|---|")
+    for layout_s, backend, s, note in rows:
+        ranks = _parse_layout(layout_s.replace("dp", "").replace("tp", "").replace("cp", "")).world
+        if s is None:
+            print(f"| {layout_s} | {ranks} | {backend} | - | - | {note} | - |")
+        else:
+            print(f"| {layout_s} | {ranks} | {backend} | {s['step_time_mean_s'] * 1000:.1f} | "
+                  f"{s['tokens_per_s']:.0f} | {s['loss_first']:.4f} -> {s['loss_last']:.4f} | {note} |")
+    failed = [r for r in rows if r[2] is None and not r[3].startswith("cannot run")]
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    from .loop import Layout, gloo_refusal
+
+    layout = Layout(args.dp, args.tp, args.cp)
+    if min(args.dp, args.tp, args.cp) < 1:
+        print("t3d-train: --dp, --tp and --cp must be >= 1", file=sys.stderr)
+        return 2
+    if args.compare_backends:
+        return compare_backends(args, argv)
+    if args.ckpt_dir is None:
+        args.ckpt_dir = os.path.join("t3d-train-ckpt", str(layout))
+        argv += ["--ckpt-dir", args.ckpt_dir]
+    under_launcher = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if args.nproc is not None or (not under_launcher and layout.world > 1):
+        nproc = args.nproc if args.nproc is not None else layout.world
+        if nproc != layout.world:
+            print(f"t3d-train: --nproc {nproc} but dp*tp*cp = {layout.world} ({layout})", file=sys.stderr)
+            return 2
+        why = gloo_refusal(args.backend, layout)
+        if why:  # say it once, before starting eight processes that would each fail on it
+            print(f"t3d-train: {why}", file=sys.stderr)
+            return 2
+        return launch(nproc, argv)
+    if under_launcher:
+        from .loop import run
+
+        return run(args)
+    return _run_single(args)

@@ -1,0 +1,122 @@
+"""The embedded model: a tiny Llama built from a LlamaConfig, saved once to a cache dir, then loaded the way
+transformers' examples/3D_parallel.py loads it (from_pretrained with a tensor-parallel mesh), with a CPU workaround.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+# Small enough that 8 ranks on 2 cores train in seconds, big enough to be a real Llama: GQA-free so that any TP
+# degree dividing 4 heads works (tp 1, 2, 4), tied embeddings off so lm_head gets its own TP style (colwise_rep).
+TINY_LLAMA = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    head_dim=16,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
+
+
+def model_cache_root() -> str:
+    base = os.environ.get("T3D_MODEL_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "t3d", "models")
+    return base
+
+
+def model_dir(init_seed: int, root: str | None = None) -> str:
+    import transformers
+
+    key = json.dumps({"config": TINY_LLAMA, "seed": init_seed, "transformers": transformers.__version__},
+                     sort_keys=True)
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    return os.path.join(root or model_cache_root(), f"tiny-llama-{digest}")
+
+
+def ensure_model(init_seed: int, root: str | None = None) -> str:
+    """Create the tiny model on rank 0 (save_pretrained) if the cache lacks it; every rank returns its path.
+
+    The save goes to a temporary sibling that is renamed into place, so concurrent runs (tests) never read a half
+    written directory; the other ranks wait on a barrier.
+    """
+    path = model_dir(init_seed, root)
+    if dist.get_rank() == 0 and not os.path.exists(os.path.join(path, "config.json")):
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=os.path.basename(path) + ".tmp-", dir=os.path.dirname(path))
+        try:
+            cpu_rng = torch.random.get_rng_state()
+            torch.manual_seed(init_seed)
+            model = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA))
+            torch.random.set_rng_state(cpu_rng)
+            model.save_pretrained(tmp)
+            try:
+                os.rename(tmp, path)
+            except OSError:  # another run won the race: its copy is identical
+                pass
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    dist.barrier()
+    return path
+
+
+def _upstream_tp_load_possible(device: torch.device) -> tuple[bool, str]:
+    """Whether `from_pretrained(dir, device_mesh=tp_mesh, tp_plan="auto")` can work here, and if not why.
+
+    transformers 4.57 turns a TP mesh into device_map=torch.device(f"{mesh.device_type}:{LOCAL_RANK}"). A device map
+    needs `accelerate` (a ValueError without it), and on CPU the index reaches safetensors' safe_open as a bare int,
+    which it takes for a CUDA ordinal ("Found no NVIDIA driver"), so on CPU that path fails on every rank.
+    """
+    from transformers.utils import is_accelerate_available
+
+    if device.type == "cpu":
+        return False, ("transformers 4.57 maps a CPU TP mesh to device_map='cpu:LOCAL_RANK', which safetensors "
+                       "reads as a CUDA device index")
+    if not is_accelerate_available():
+        return False, "transformers needs `accelerate` for the device_map that tp_plan implies"
+    return True, ""
+
+
+def load_model(path: str, tp_mesh, device: torch.device, dtype: torch.dtype = torch.float32, log=print):
+    """Load the causal LM; with a TP mesh of size > 1, shard it with the model's own TP plan (tp_plan="auto")."""
+    from transformers import AutoModelForCausalLM
+
+    tp = tp_mesh.size() if tp_mesh is not None else 1
+    if tp == 1:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+
+    ok, why = _upstream_tp_load_possible(device)
+    if ok:
+        log("TP load: from_pretrained(device_mesh=tp_mesh, tp_plan='auto') as upstream")
+        return AutoModelForCausalLM.from_pretrained(path, device_mesh=tp_mesh, tp_plan="auto", dtype=dtype)
+
+    # The same steps from_pretrained takes with a mesh, after a plain load: distribute_model() installs the plan's
+    # input/output hooks on each module, shard_and_distribute_module() swaps every parameter for this rank's shard
+    # (DTensor for sharded styles, a plain tensor for the rest), exactly as _load_state_dict_into_meta_model does.
+    from transformers.integrations.tensor_parallel import distribute_model, shard_and_distribute_module
+
+    log(f"TP load: from_pretrained + transformers' own TP sharding ({why})")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    model = distribute_model(model, None, tp_mesh, tp)
+    rank = tp_mesh.get_local_rank()
+    with torch.no_grad():
+        for name, param in list(model.named_parameters()):
+            full = param.detach()
+            shard_and_distribute_module(model, full, full, name, dtype, True, rank, tp_mesh)
+    return model
