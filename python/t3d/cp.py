@@ -1,0 +1,156 @@
+"""torch context_parallel on CPU, computed by t3d's ring attention.
+
+torch's context_parallel(mesh, buffers=..., buffer_seq_dims=...) wraps F.scaled_dot_product_attention's inputs in
+DTensors sharded on the sequence and sends SDPA's fused ops to its ring-attention handler table. In torch 2.9 that
+table knows only the CUDA kernels (flash, efficient, cudnn); on CPU, SDPA lowers to
+aten._scaled_dot_product_flash_attention_for_cpu (and its backward), which then fails with "CP only supports flash
+attention and memory efficient attention now".
+
+enable() adds handlers for the two CPU ops to that table (the private `customized_ops` dict of
+torch.distributed.tensor.experimental._attention, read each time the context is entered). They run
+t3d.nn.ring_attention's forward/backward over the mesh's process group: key/value blocks travel the ring by P2P
+(whatever torch's rotate method says), the partial results merge by log-sum-exp and causal masking uses the true
+global positions of each rank's chunks, so results equal non-parallel SDPA (up to float rounding). Torch's load
+balancing (round-robin: rank r holds chunks r and 2W-1-r) maps to layout "zigzag", no load balancing to
+"contiguous".
+
+Enabling is explicit: call t3d.cp.enable() (importing t3d.cp does it too) before entering context_parallel on CPU
+tensors. `import t3d` alone does not, to keep that import free of DTensor. Not supported (raises): attn_mask,
+dropout, a mesh of more than one dimension.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Optional
+
+import torch
+
+_MODULES = (
+    "torch.distributed.tensor.experimental._attention",
+    "torch.distributed.tensor.experimental._context_parallel._attention",
+)
+_enabled = False
+
+
+def _hook_table():
+    """torch's CP op-handler dict, or a RuntimeError that names the installed torch."""
+    errors = []
+    for name in _MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except ImportError as e:
+            errors.append(f"{name}: {e}")
+            continue
+        table = getattr(mod, "customized_ops", None)
+        if isinstance(table, dict) and hasattr(mod, "_cp_options"):
+            return mod, table
+        errors.append(f"{name}: no `customized_ops` dict / `_cp_options`")
+    raise RuntimeError(
+        f"t3d.cp: torch {torch.__version__} does not have the private context-parallel hooks t3d uses "
+        f"(built and tested with torch 2.9.1): " + "; ".join(errors))
+
+
+def _layout(mod) -> str:
+    return "zigzag" if getattr(mod._cp_options, "enable_load_balance", False) else "contiguous"
+
+
+def _unwrap(x, what):
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(x, DTensor):
+        raise RuntimeError(f"t3d.cp: expected '{what}' as a DTensor inside context_parallel, got {type(x).__name__}")
+    if x.device_mesh.ndim != 1:
+        raise NotImplementedError(f"t3d.cp: '{what}' lives on a {x.device_mesh.ndim}-D mesh; context_parallel on CPU "
+                                  f"supports a 1-D mesh (pass the CP sub-mesh)")
+    if tuple(x.placements) != (Shard(2),):
+        raise NotImplementedError(f"t3d.cp: '{what}' has placements {x.placements}; expected (Shard(dim=2),)")
+    return x._local_tensor, x.device_mesh
+
+
+def _wrap(local, mesh):
+    from torch.distributed.tensor import DTensor, Shard
+
+    return DTensor.from_local(local, mesh, [Shard(2)], run_check=False)
+
+
+def _check_unsupported(dropout_p: float, attn_mask) -> None:
+    if attn_mask is not None:
+        raise NotImplementedError("t3d.cp: SDPA with attn_mask is not supported by context_parallel on CPU "
+                                  "(use is_causal=True for causal masks)")
+    if dropout_p:
+        raise NotImplementedError(f"t3d.cp: SDPA dropout (dropout_p={dropout_p}) is not supported")
+
+
+def _flash_cpu(query, key, value, dropout_p: float = 0.0, is_causal: bool = False, *, attn_mask=None,
+               scale: Optional[float] = None):
+    from .nn.ring import ring_forward
+
+    mod, _ = _hook_table()
+    _check_unsupported(dropout_p, attn_mask)
+    q, mesh = _unwrap(query, "query")
+    k, _ = _unwrap(key, "key")
+    v, _ = _unwrap(value, "value")
+    out, lse = ring_forward(q, k, v, mesh.get_group(), bool(is_causal), _layout(mod), scale)
+    return _wrap(out, mesh), _wrap(lse, mesh)
+
+
+def _flash_cpu_backward(grad_out, query, key, value, out, logsumexp, dropout_p: float, is_causal: bool, *,
+                        attn_mask=None, scale: Optional[float] = None):
+    from .nn.ring import ring_backward
+
+    mod, _ = _hook_table()
+    _check_unsupported(dropout_p, attn_mask)
+    q, mesh = _unwrap(query, "query")
+    k, _ = _unwrap(key, "key")
+    v, _ = _unwrap(value, "value")
+    dout, _ = _unwrap(grad_out, "grad_out")
+    o, _ = _unwrap(out, "out")
+    lse, _ = _unwrap(logsumexp, "logsumexp")
+    dq, dk, dv = ring_backward(dout.contiguous(), q, k, v, o.contiguous().to(q.dtype), lse.float().contiguous(),
+                               mesh.get_group(), bool(is_causal), _layout(mod), scale)
+    return _wrap(dq, mesh), _wrap(dk, mesh), _wrap(dv, mesh)
+
+
+def _handler(op_call, args, kwargs):
+    aten = torch.ops.aten
+    if op_call == aten._scaled_dot_product_flash_attention_for_cpu.default:
+        return _flash_cpu(*args, **kwargs)
+    if op_call == aten._scaled_dot_product_flash_attention_for_cpu_backward.default:
+        return _flash_cpu_backward(*args, **kwargs)
+    raise NotImplementedError(f"t3d.cp: no handler for {op_call}")
+
+
+def enable() -> None:
+    """Registers t3d's handlers for the CPU SDPA ops in torch's context-parallel table (idempotent)."""
+    global _enabled
+    _, table = _hook_table()
+    aten = torch.ops.aten
+    table[aten._scaled_dot_product_flash_attention_for_cpu.default] = _handler
+    table[aten._scaled_dot_product_flash_attention_for_cpu_backward.default] = _handler
+    _enabled = True
+
+
+def disable() -> None:
+    """Removes the handlers again (context_parallel on CPU then fails as in plain torch)."""
+    global _enabled
+    _, table = _hook_table()
+    aten = torch.ops.aten
+    table.pop(aten._scaled_dot_product_flash_attention_for_cpu.default, None)
+    table.pop(aten._scaled_dot_product_flash_attention_for_cpu_backward.default, None)
+    _enabled = False
+
+
+def is_enabled() -> bool:
+    return _enabled
+
+
+def set_load_balance(enabled: bool) -> None:
+    """torch's CP load balancing (private option in torch 2.9): True -> zigzag chunks, False -> contiguous."""
+    mod, _ = _hook_table()
+    mod._cp_options.enable_load_balance = bool(enabled)
+
+
+enable()
+
+__all__ = ["enable", "disable", "is_enabled", "set_load_balance"]

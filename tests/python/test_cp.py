@@ -1,0 +1,89 @@
+# torch.distributed.tensor.experimental.context_parallel on CPU tensors with t3d.cp enabled (backend t3d): a small
+# attention model calling F.scaled_dot_product_attention gives the non-parallel output and parameter gradients,
+# causal and not, with torch's load balancing on and off, on 2 and 4 ranks.
+import re
+
+import pytest
+import torch
+
+import _dist
+
+
+class TinyAttention(torch.nn.Module):
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.proj = torch.nn.Linear(dim, dim)
+
+    def forward(self, x, causal):
+        b, s, e = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, e // self.heads).permute(2, 0, 3, 1, 4)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return self.proj(y.transpose(1, 2).reshape(b, s, e))
+
+
+def _cp_checks(rank, ws):
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental._attention import context_parallel_unshard
+
+    import t3d.cp
+
+    mesh = init_device_mesh("cpu", (ws,), mesh_dim_names=("cp",))
+    done = []
+    for load_balance in (True, False):
+        t3d.cp.set_load_balance(load_balance)
+        for causal in (True, False):
+            torch.manual_seed(0)
+            model = TinyAttention()
+            x = torch.randn(2, 8 * ws, 32)
+            w = torch.randn(2, 8 * ws, 32)
+            ref_model = copy.deepcopy(model)
+            ref_out = ref_model(x, causal)
+            (ref_out * w).sum().backward()
+
+            xc, wc = x.clone(), w.clone()
+            with context_parallel(mesh, buffers=[xc, wc], buffer_seq_dims=[1, 1]):
+                out = model(xc, causal)
+                (out * wc).sum().backward()
+                full = context_parallel_unshard(mesh, [out.detach()], [1])[0]
+            torch.testing.assert_close(full, ref_out.detach(), atol=2e-5, rtol=2e-5)
+            # Each rank's loss covers its part of the sequence: the sum over ranks is the full gradient.
+            for (name, p), rp in zip(model.named_parameters(), ref_model.parameters()):
+                g = p.grad.clone()
+                dist.all_reduce(g, group=mesh.get_group())
+                torch.testing.assert_close(g, rp.grad, atol=5e-5, rtol=5e-5,
+                                           msg=lambda m: f"{name} lb={load_balance} causal={causal}: {m}")
+            done.append((load_balance, causal))
+    t3d.cp.set_load_balance(True)
+    return done
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("ws", [2, 4])
+def test_context_parallel_cpu_matches_single_process(ws):
+    results = _dist.run_world(_cp_checks, ws, timeout=120)
+    assert all(len(r) == 4 for r in results)
+
+
+def test_missing_hooks_name_the_torch_version(monkeypatch):
+    import t3d.cp
+
+    monkeypatch.setattr(t3d.cp, "_MODULES", ("t3d_no_such_module_for_test",))
+    with pytest.raises(RuntimeError, match=re.escape(f"torch {torch.__version__} does not have the private")):
+        t3d.cp.enable()
+
+
+def test_enable_disable_registers_cpu_ops():
+    import t3d.cp
+    from torch.distributed.tensor.experimental import _attention
+
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    t3d.cp.disable()
+    assert op not in _attention.customized_ops
+    t3d.cp.enable()
+    assert op in _attention.customized_ops and t3d.cp.is_enabled()
