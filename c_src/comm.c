@@ -542,10 +542,10 @@ static void *progress_main(void *arg) {
   t3d_backoff_t b = {0};
   unsigned idle_ms = 1;
   for (;;) {
-    /* Going idle: watch the queue for a short while first; a condition-variable wake-up costs tens of
+    /* Going idle: watch the queue for ~200 us first (yielding); a condition-variable wake-up costs tens of
      * microseconds, more than a small collective. */
     if (comm->active_p2p == NULL) {
-      uint64_t until = t3d__now_ns() + 50000;
+      uint64_t until = t3d__now_ns() + 200000;
       int spins = 0;
       while (__atomic_load_n(&comm->q_head, __ATOMIC_ACQUIRE) == NULL && !__atomic_load_n(&comm->stop, __ATOMIC_ACQUIRE) &&
              t3d__now_ns() < until) {

@@ -3,6 +3,10 @@
 // attached with then() may block on further collectives, which must not stall the progress thread).
 #include "work_t3d.hpp"
 
+#include <algorithm>
+#include <chrono>
+#include <thread>
+
 #include <ATen/Parallel.h>
 #include <ATen/core/jit_type.h>
 #include <c10/util/Exception.h>
@@ -146,6 +150,7 @@ void WorkT3D::complete(std::exception_ptr err) {
     recordFunctionEndCallback_ = nullptr;
     parents.swap(parents_);
   }
+  done_.store(true, std::memory_order_release);
   if (recordEnd) recordEnd();
   cv_.notify_all();
   for (auto& p : parents) p->dependencyDone(err);
@@ -208,6 +213,14 @@ std::vector<at::Tensor> WorkT3D::result() {
 
 bool WorkT3D::wait(std::chrono::milliseconds timeout) {
   int64_t ms = timeout == kNoTimeout ? timeoutMs_ + kWaitGraceMs : timeout.count();
+  // Poll, then yield, for a short while before sleeping: a small collective completes in microseconds, and waking
+  // from a condition variable on an idle core costs tens of them. Yielding keeps ranks that outnumber cores moving.
+  auto poll_until = std::chrono::steady_clock::now() + std::chrono::microseconds(std::min<int64_t>(ms * 1000, 2000));
+  for (int i = 0; !done_.load(std::memory_order_acquire); i++) {
+    if (i < 64) continue;
+    if (std::chrono::steady_clock::now() >= poll_until) break;
+    std::this_thread::yield();
+  }
   std::unique_lock<std::mutex> lk(mutex_);
   bool done = cv_.wait_for(lk, std::chrono::milliseconds(ms), [this] { return completed_; });
   if (!done) {

@@ -107,6 +107,8 @@ class WorkT3D : public c10d::Work {
   std::exception_ptr firstError_;
   std::vector<c10::intrusive_ptr<WorkT3D>> parents_;
   std::atomic<bool> futureMarked_{false};
+  // Set (release) after completed_/exception_ are published under the mutex: lets wait() poll before it sleeps.
+  std::atomic<bool> done_{false};
 };
 
 }  // namespace t3d_shim
