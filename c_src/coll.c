@@ -79,13 +79,19 @@ static t3d_result_t copy_arrays(t3d_request_t *r, const size_t *a, const size_t 
   return T3D_OK;
 }
 
-static t3d_result_t new_req(t3d_comm_t *comm, t3d_op_kind_t kind, const t3d_opts_t *opts, t3d_request_t **r) {
-  T3D_CHECK(t3d__request_new(comm, kind, opts, r));
-  return T3D_OK;
-}
-
-static t3d_result_t submit(t3d_comm_t *comm, t3d_request_t *r, t3d_request_t **out) {
-  return t3d__submit(comm, r, out);
+/* Creates the request of a checked call, records what it does, and hands it to the engine. */
+static t3d_result_t issue(t3d_comm_t *comm, t3d_op_kind_t kind, const t3d_opts_t *opts, const void *sendbuf,
+                          void *recvbuf, size_t count, t3d_dtype_t dtype, t3d_redop_t op, int root,
+                          t3d_request_t **req) {
+  t3d_request_t *r;
+  T3D_CHECK(t3d__request_new(comm, kind, opts, &r));
+  r->sendbuf = sendbuf;
+  r->recvbuf = recvbuf;
+  r->count = count;
+  r->dtype = dtype;
+  r->op = op;
+  r->root = root;
+  return t3d__submit(comm, r, req);
 }
 
 /* Frees a request that never reached the engine (both references). */
@@ -104,14 +110,7 @@ t3d_result_t t3d_allreduce(t3d_comm_t *comm, const void *sendbuf, void *recvbuf,
   T3D_CHECK(check_op(comm, fn, op, dtype));
   T3D_CHECK(check_buf(comm, fn, "sendbuf", sendbuf, count, dtype));
   T3D_CHECK(check_buf(comm, fn, "recvbuf", recvbuf, count, dtype));
-  t3d_request_t *r;
-  T3D_CHECK(new_req(comm, T3D_OP_ALLREDUCE, opts, &r));
-  r->sendbuf = sendbuf;
-  r->recvbuf = recvbuf;
-  r->count = count;
-  r->dtype = dtype;
-  r->op = op;
-  return submit(comm, r, req);
+  return issue(comm, T3D_OP_ALLREDUCE, opts, sendbuf, recvbuf, count, dtype, op, 0, req);
 }
 
 t3d_result_t t3d_broadcast(t3d_comm_t *comm, void *buf, size_t count, t3d_dtype_t dtype, int root,
@@ -121,13 +120,7 @@ t3d_result_t t3d_broadcast(t3d_comm_t *comm, void *buf, size_t count, t3d_dtype_
   T3D_CHECK(check_dtype(comm, fn, dtype));
   T3D_CHECK(check_buf(comm, fn, "buf", buf, count, dtype));
   T3D_CHECK(check_rank(comm, fn, "root", root));
-  t3d_request_t *r;
-  T3D_CHECK(new_req(comm, T3D_OP_BROADCAST, opts, &r));
-  r->recvbuf = buf;
-  r->count = count;
-  r->dtype = dtype;
-  r->root = root;
-  return submit(comm, r, req);
+  return issue(comm, T3D_OP_BROADCAST, opts, NULL, buf, count, dtype, T3D_SUM, root, req);
 }
 
 t3d_result_t t3d_reduce(t3d_comm_t *comm, const void *sendbuf, void *recvbuf, size_t count, t3d_dtype_t dtype,
@@ -138,15 +131,7 @@ t3d_result_t t3d_reduce(t3d_comm_t *comm, const void *sendbuf, void *recvbuf, si
   T3D_CHECK(check_rank(comm, fn, "root", root));
   T3D_CHECK(check_buf(comm, fn, "sendbuf", sendbuf, count, dtype));
   if (comm->rank == root) T3D_CHECK(check_buf(comm, fn, "recvbuf", recvbuf, count, dtype));
-  t3d_request_t *r;
-  T3D_CHECK(new_req(comm, T3D_OP_REDUCE, opts, &r));
-  r->sendbuf = sendbuf;
-  r->recvbuf = recvbuf;
-  r->count = count;
-  r->dtype = dtype;
-  r->op = op;
-  r->root = root;
-  return submit(comm, r, req);
+  return issue(comm, T3D_OP_REDUCE, opts, sendbuf, recvbuf, count, dtype, op, root, req);
 }
 
 t3d_result_t t3d_allgatherv(t3d_comm_t *comm, const void *sendbuf, size_t sendcount, void *recvbuf,
@@ -168,14 +153,14 @@ t3d_result_t t3d_allgatherv(t3d_comm_t *comm, const void *sendbuf, size_t sendco
   }
   T3D_CHECK(check_buf(comm, fn, "recvbuf", recvbuf, total, dtype));
   t3d_request_t *r;
-  T3D_CHECK(new_req(comm, T3D_OP_ALLGATHERV, opts, &r));
+  T3D_CHECK(t3d__request_new(comm, T3D_OP_ALLGATHERV, opts, &r));
   r->sendbuf = sendbuf;
   r->recvbuf = recvbuf;
   r->count = sendcount;
   r->dtype = dtype;
   t3d_result_t res = copy_arrays(r, NULL, NULL, recvcounts, displs);
   if (res != T3D_OK) return drop(r, res);
-  return submit(comm, r, req);
+  return t3d__submit(comm, r, req);
 }
 
 /* Equal-count forms build their count and displacement arrays and share the v-form's path. */
@@ -209,14 +194,7 @@ t3d_result_t t3d_gather(t3d_comm_t *comm, const void *sendbuf, void *recvbuf, si
   T3D_CHECK(check_rank(comm, fn, "root", root));
   T3D_CHECK(check_buf(comm, fn, "sendbuf", sendbuf, count, dtype));
   if (comm->rank == root) T3D_CHECK(check_buf(comm, fn, "recvbuf", recvbuf, count * (size_t)comm->size, dtype));
-  t3d_request_t *r;
-  T3D_CHECK(new_req(comm, T3D_OP_GATHER, opts, &r));
-  r->sendbuf = sendbuf;
-  r->recvbuf = recvbuf;
-  r->count = count;
-  r->dtype = dtype;
-  r->root = root;
-  return submit(comm, r, req);
+  return issue(comm, T3D_OP_GATHER, opts, sendbuf, recvbuf, count, dtype, T3D_SUM, root, req);
 }
 
 t3d_result_t t3d_scatter(t3d_comm_t *comm, const void *sendbuf, void *recvbuf, size_t count, t3d_dtype_t dtype,
@@ -227,14 +205,7 @@ t3d_result_t t3d_scatter(t3d_comm_t *comm, const void *sendbuf, void *recvbuf, s
   T3D_CHECK(check_rank(comm, fn, "root", root));
   T3D_CHECK(check_buf(comm, fn, "recvbuf", recvbuf, count, dtype));
   if (comm->rank == root) T3D_CHECK(check_buf(comm, fn, "sendbuf", sendbuf, count * (size_t)comm->size, dtype));
-  t3d_request_t *r;
-  T3D_CHECK(new_req(comm, T3D_OP_SCATTER, opts, &r));
-  r->sendbuf = sendbuf;
-  r->recvbuf = recvbuf;
-  r->count = count;
-  r->dtype = dtype;
-  r->root = root;
-  return submit(comm, r, req);
+  return issue(comm, T3D_OP_SCATTER, opts, sendbuf, recvbuf, count, dtype, T3D_SUM, root, req);
 }
 
 t3d_result_t t3d_reduce_scatterv(t3d_comm_t *comm, const void *sendbuf, void *recvbuf, const size_t *recvcounts,
@@ -248,7 +219,7 @@ t3d_result_t t3d_reduce_scatterv(t3d_comm_t *comm, const void *sendbuf, void *re
   T3D_CHECK(check_buf(comm, fn, "sendbuf", sendbuf, total, dtype));
   T3D_CHECK(check_buf(comm, fn, "recvbuf", recvbuf, recvcounts[comm->rank], dtype));
   t3d_request_t *r;
-  T3D_CHECK(new_req(comm, T3D_OP_REDUCE_SCATTERV, opts, &r));
+  T3D_CHECK(t3d__request_new(comm, T3D_OP_REDUCE_SCATTERV, opts, &r));
   r->sendbuf = sendbuf;
   r->recvbuf = recvbuf;
   r->count = total;
@@ -256,7 +227,7 @@ t3d_result_t t3d_reduce_scatterv(t3d_comm_t *comm, const void *sendbuf, void *re
   r->op = op;
   t3d_result_t res = copy_arrays(r, NULL, NULL, recvcounts, NULL);
   if (res != T3D_OK) return drop(r, res);
-  return submit(comm, r, req);
+  return t3d__submit(comm, r, req);
 }
 
 t3d_result_t t3d_reduce_scatter(t3d_comm_t *comm, const void *sendbuf, void *recvbuf, size_t recvcount,
@@ -288,13 +259,13 @@ t3d_result_t t3d_alltoallv(t3d_comm_t *comm, const void *sendbuf, const size_t *
   T3D_CHECK(check_buf(comm, fn, "sendbuf", sendbuf, send_extent, dtype));
   T3D_CHECK(check_buf(comm, fn, "recvbuf", recvbuf, recv_extent, dtype));
   t3d_request_t *r;
-  T3D_CHECK(new_req(comm, T3D_OP_ALLTOALLV, opts, &r));
+  T3D_CHECK(t3d__request_new(comm, T3D_OP_ALLTOALLV, opts, &r));
   r->sendbuf = sendbuf;
   r->recvbuf = recvbuf;
   r->dtype = dtype;
   t3d_result_t res = copy_arrays(r, sendcounts, sdispls, recvcounts, rdispls);
   if (res != T3D_OK) return drop(r, res);
-  return submit(comm, r, req);
+  return t3d__submit(comm, r, req);
 }
 
 t3d_result_t t3d_alltoall(t3d_comm_t *comm, const void *sendbuf, void *recvbuf, size_t count, t3d_dtype_t dtype,
@@ -309,9 +280,7 @@ t3d_result_t t3d_alltoall(t3d_comm_t *comm, const void *sendbuf, void *recvbuf, 
 
 t3d_result_t t3d_barrier(t3d_comm_t *comm, const t3d_opts_t *opts, t3d_request_t **req) {
   T3D_CHECK(check_base(comm, "t3d_barrier", req));
-  t3d_request_t *r;
-  T3D_CHECK(new_req(comm, T3D_OP_BARRIER, opts, &r));
-  return submit(comm, r, req);
+  return issue(comm, T3D_OP_BARRIER, opts, NULL, NULL, 0, T3D_UINT8, T3D_SUM, 0, req);
 }
 
 static t3d_result_t p2p(t3d_comm_t *comm, const char *fn, t3d_op_kind_t kind, const void *sbuf, void *rbuf,
@@ -323,14 +292,14 @@ static t3d_result_t p2p(t3d_comm_t *comm, const char *fn, t3d_op_kind_t kind, co
   if (!(kind == T3D_OP_RECV && peer == T3D_ANY_SOURCE)) T3D_CHECK(check_rank(comm, fn, "peer", peer));
   if (tag < 0 || tag > T3D_MAX_TAG) return BAD_ARG(comm, fn, "tag", "%lld is outside [0, 2^30)", (long long)tag);
   t3d_request_t *r;
-  T3D_CHECK(new_req(comm, kind, opts, &r));
+  T3D_CHECK(t3d__request_new(comm, kind, opts, &r));
   r->sendbuf = sbuf;
   r->recvbuf = rbuf;
   r->count = count;
   r->dtype = dtype;
   r->root = peer;
   r->tag = tag;
-  return submit(comm, r, req);
+  return t3d__submit(comm, r, req);
 }
 
 t3d_result_t t3d_send(t3d_comm_t *comm, const void *buf, size_t count, t3d_dtype_t dtype, int peer, int64_t tag,
