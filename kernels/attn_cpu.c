@@ -41,6 +41,14 @@ static int cpu_has_bf16dot(void) {
 #endif
 }
 
+/* bfloat16 forward through vdpbf16ps (AVX-512 only). Off unless T3D_ATTN_BF16DOT=1: on the Xeon it was measured on
+ * (avx512_bf16, AMX) widening to float32 and using FMAs ran the forward ~1.4x faster than vdpbf16ps, and it keeps P
+ * in float32 instead of rounding it to bfloat16. Read per call like T3D_ATTN_ISA. */
+static int use_bf16dot(t3d_attn_isa_t isa) {
+  const char *env = getenv("T3D_ATTN_BF16DOT");
+  return isa == T3D_ATTN_ISA_AVX512 && env && !strcmp(env, "1") && cpu_has_bf16dot();
+}
+
 int t3d_attn_isa_available(t3d_attn_isa_t isa) {
   switch (isa) {
     case T3D_ATTN_ISA_AUTO:
@@ -81,7 +89,7 @@ const char *t3d_attn_isa_name(t3d_attn_isa_t isa) {
 
 const char *t3d_attn_isa_describe(t3d_attn_isa_t isa, t3d_attn_dtype_t dtype) {
   if (isa == T3D_ATTN_ISA_AUTO) isa = t3d_attn_isa_selected();
-  if (isa == T3D_ATTN_ISA_AVX512 && dtype == T3D_ATTN_BFLOAT16 && cpu_has_bf16dot()) return "avx512-bf16";
+  if (dtype == T3D_ATTN_BFLOAT16 && use_bf16dot(isa)) return "avx512-bf16";
   return t3d_attn_isa_name(isa);
 }
 
@@ -219,6 +227,11 @@ static void fwd_job(void *ctx, int64_t begin, int64_t end, void *scratch) {
   j->ops->fwd(&j->p, begin, end, scratch);
 }
 
+static void pack_job(void *ctx, int64_t begin, int64_t end, void *scratch) {
+  attn_job *j = (attn_job *)ctx;
+  j->ops->fwd_pack(&j->p, begin, end, scratch);
+}
+
 static void bwd_job(void *ctx, int64_t begin, int64_t end, void *scratch) {
   attn_job *j = (attn_job *)ctx;
   j->ops->bwd(&j->p, begin, end, scratch);
@@ -243,7 +256,7 @@ int t3d_attn_forward(t3d_attn_dtype_t dtype, const void *q, const void *k, const
   j.ops = isa_ops(isa);
   t3d__attn_problem *p = &j.p;
   p->dtype = dtype;
-  p->use_bf16dot = isa == T3D_ATTN_ISA_AVX512 && cpu_has_bf16dot();
+  p->use_bf16dot = use_bf16dot(isa);
   p->q = q;
   p->k = k;
   p->v = v;
@@ -263,7 +276,30 @@ int t3d_attn_forward(t3d_attn_dtype_t dtype, const void *q, const void *k, const
   p->nqb = (seq_q + ATTN_FWD_BQ - 1) / ATTN_FWD_BQ;
   p->nkb = (seq_k + ATTN_FWD_BK - 1) / ATTN_FWD_BK;
   p->slabs = 1;
-  return run_tasks(exec, batch * q_heads * p->nqb, fwd_job, &j, ATTN_SCRATCH_FLOATS * sizeof(float));
+
+  /* Pack every key block of every (batch, kv head) once, in parallel, when several query blocks will read it;
+   * without that each query-block task re-packs all the K and V blocks it visits. Skipped (each task packs for
+   * itself) when the buffer would be very large or cannot be had. */
+  unsigned char *kvpack = NULL;
+  const int64_t units = batch * kv_heads;
+  if (p->nkb > 0 && p->nqb * p->group > 1) {
+    const int dot16 = p->use_bf16dot && dtype == T3D_ATTN_BFLOAT16;
+    const int64_t blk = t3d__attn_fwd_kbytes(head_dim, dot16) + t3d__attn_fwd_vbytes(head_dim, dot16);
+    const double total = (double)units * (double)p->nkb * (double)blk;
+    if (total <= 2.0e9) kvpack = (unsigned char *)scratch_alloc((size_t)total);
+    if (kvpack) {
+      p->kvpack = kvpack;
+      p->kvpack_bytes = blk;
+      rc = run_tasks(exec, units * p->nkb, pack_job, &j, 0);
+      if (rc) {
+        free(kvpack);
+        return rc;
+      }
+    }
+  }
+  rc = run_tasks(exec, batch * q_heads * p->nqb, fwd_job, &j, ATTN_SCRATCH_FLOATS * sizeof(float));
+  free(kvpack);
+  return rc;
 }
 
 /* ---------------------------------------------------------------- backward */

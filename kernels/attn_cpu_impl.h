@@ -64,6 +64,81 @@ static void ATTN_SUFFIX(mask_tile)(const t3d__attn_problem *p, float *S, int64_t
   }
 }
 
+/* Packs keys [r0, r0 + nk) of K and V (rows of the [*, D] tensors) for the forward GEMMs: Kdst gets K^T with leading
+ * dimension LDK, Vdst V with leading dimension LDV; with dot16 both hold bfloat16 pairs (K^T paired along D, V along
+ * the keys, zero-padded), otherwise float32. */
+static void ATTN_SUFFIX(fwd_pack_block)(const t3d__attn_problem *p, int dot16, int64_t r0, int64_t nk, void *Kdst,
+                                        void *Vdst) {
+  const int64_t D = p->D, LDK = ATTN_FWD_LDK(D), LDV = ATTN_FWD_LDV(D);
+  if (dot16) {
+    /* K^T pairs: 32-bit lane (d2, j) = K[j][2 d2 .. 2 d2 + 1]. */
+    const uint16_t *src = (const uint16_t *)p->k + r0 * D;
+    uint32_t *Kp = (uint32_t *)Kdst;
+    for (int64_t j0 = 0; j0 < nk; j0 += 16) {
+      const int64_t jn = ATTN_SUFFIX(min64)(16, nk - j0);
+      for (int64_t d2 = 0; d2 < D / 2; d2++) {
+        uint32_t *dst = Kp + d2 * LDK + j0;
+        for (int64_t j = 0; j < jn; j++) memcpy(dst + j, src + (j0 + j) * D + 2 * d2, sizeof(uint32_t));
+      }
+    }
+    if (D & 1)
+      for (int64_t j = 0; j < nk; j++) Kp[(D / 2) * LDK + j] = src[j * D + D - 1]; /* high half 0 (little endian) */
+    /* V pairs: 32-bit lane (j2, d) = (V[2 j2][d], V[2 j2 + 1][d]). */
+    const uint16_t *vs = (const uint16_t *)p->v + r0 * D;
+    uint16_t *Vp = (uint16_t *)Vdst;
+    const int64_t nkp = (nk + 1) / 2;
+    for (int64_t j2 = 0; j2 < nkp; j2++) {
+      const uint16_t *a = vs + (2 * j2) * D;
+      uint16_t *dst = Vp + j2 * LDV * 2;
+      if (2 * j2 + 1 < nk) {
+        const uint16_t *b2 = a + D;
+        for (int64_t d = 0; d < D; d++) {
+          dst[2 * d] = a[d];
+          dst[2 * d + 1] = b2[d];
+        }
+      } else {
+        for (int64_t d = 0; d < D; d++) {
+          dst[2 * d] = a[d];
+          dst[2 * d + 1] = 0;
+        }
+      }
+    }
+    return;
+  }
+  float *Kt = (float *)Kdst, *Vf = (float *)Vdst;
+  if (p->dtype == T3D_ATTN_FLOAT32) {
+    /* Transpose in 16-key strips so the reads of a strip stay in L1 while its columns are written. */
+    const float *src = (const float *)p->k + r0 * D;
+    for (int64_t j0 = 0; j0 < nk; j0 += 16) {
+      const int64_t jn = ATTN_SUFFIX(min64)(16, nk - j0);
+      for (int64_t d = 0; d < D; d++) {
+        float *dst = Kt + d * LDK + j0;
+        for (int64_t j = 0; j < jn; j++) dst[j] = src[(j0 + j) * D + d];
+      }
+    }
+    const float *vs = (const float *)p->v + r0 * D;
+    for (int64_t j = 0; j < nk; j++) memcpy(Vf + j * LDV, vs + j * D, sizeof(float) * (size_t)D);
+  } else {
+    ATTN_SUFFIX(pack_t_f32)(p, p->k, r0, nk, Kt, LDK);
+    const uint16_t *vs = (const uint16_t *)p->v + r0 * D;
+    for (int64_t j = 0; j < nk; j++)
+      for (int64_t d = 0; d < D; d++) Vf[j * LDV + d] = t3d__bf16_to_f32(vs[j * D + d]);
+  }
+}
+
+/* Forward pre-pass: key blocks [begin, end), indexed (b * Hkv + kvh) * nkb + kb, into p->kvpack. */
+static void ATTN_SUFFIX(fwd_pack)(const t3d__attn_problem *p, int64_t begin, int64_t end, void *scratch) {
+  (void)scratch;
+  const int dot16 = ATTN_HAS_BF16DOT && p->dtype == T3D_ATTN_BFLOAT16 && p->use_bf16dot;
+  const int64_t kbytes = t3d__attn_fwd_kbytes(p->D, dot16);
+  for (int64_t t = begin; t < end; t++) {
+    const int64_t unit = t / p->nkb, kb = t % p->nkb;
+    const int64_t k0 = kb * ATTN_FWD_BK, nk = ATTN_SUFFIX(min64)(ATTN_FWD_BK, p->Sk - k0);
+    unsigned char *blk = p->kvpack + t * p->kvpack_bytes;
+    ATTN_SUFFIX(fwd_pack_block)(p, dot16, unit * p->Sk + k0, nk, blk, blk + kbytes);
+  }
+}
+
 static void ATTN_SUFFIX(fwd)(const t3d__attn_problem *p, int64_t begin, int64_t end, void *scratch) {
   enum { BQ = ATTN_FWD_BQ, BK = ATTN_FWD_BK };
   const int64_t D = p->D;
@@ -71,9 +146,8 @@ static void ATTN_SUFFIX(fwd)(const t3d__attn_problem *p, int64_t begin, int64_t 
   const int dot16 = ATTN_HAS_BF16DOT && bf && p->use_bf16dot;
   const int64_t Dp = (D + 1) & ~(int64_t)1;
   const float c = p->scale * ATTN_LOG2E;
-  /* Packed K^T and V rows get padded leading dimensions: a 512-byte stride (128 floats) would map the rows a GEMM
-   * panel walks onto a few L1 sets and thrash them. */
-  const int64_t LDK = BK + 16, LDV = D + 16;
+  const int64_t LDK = ATTN_FWD_LDK(D), LDV = ATTN_FWD_LDV(D);
+  const int64_t kbytes = t3d__attn_fwd_kbytes(D, dot16);
 
   float *Qf = (float *)scratch;            /* BQ x DMAX */
   float *Kt = Qf + BQ * ATTN_DMAX;          /* DMAX x LDK */
@@ -120,27 +194,23 @@ static void ATTN_SUFFIX(fwd)(const t3d__attn_problem *p, int64_t begin, int64_t 
 
     for (int64_t k0 = 0; k0 < kend; k0 += BK) {
       const int64_t nk = ATTN_SUFFIX(min64)(BK, kend - k0);
+      /* The shared packed block, unless there is none or a cut-off odd block would pair its last key with one past
+       * the cut (bfloat16 V pairs must be zero-padded there). */
+      const void *Kblk = Kt, *Vblk = Vf;
+      if (p->kvpack && !(dot16 && (nk & 1) && k0 + nk < p->Sk)) {
+        const unsigned char *blk = p->kvpack + ((b * p->Hkv + kvh) * p->nkb + k0 / BK) * p->kvpack_bytes;
+        Kblk = blk;
+        Vblk = blk + kbytes;
+      } else {
+        ATTN_SUFFIX(fwd_pack_block)(p, dot16, krow0 + k0, nk, Kt, Vf);
+      }
 #if ATTN_HAS_BF16DOT
       if (dot16) {
-        const uint16_t *src = (const uint16_t *)p->k + (krow0 + k0) * D;
-        uint16_t *Kp = (uint16_t *)Kt;
-        for (int64_t j = 0; j < nk; j++) {
-          const uint16_t *kr = src + j * D;
-          for (int64_t d2 = 0; d2 < D / 2; d2++) {
-            Kp[(d2 * LDK + j) * 2] = kr[2 * d2];
-            Kp[(d2 * LDK + j) * 2 + 1] = kr[2 * d2 + 1];
-          }
-          if (D & 1) {
-            Kp[((D / 2) * LDK + j) * 2] = kr[D - 1];
-            Kp[((D / 2) * LDK + j) * 2 + 1] = 0;
-          }
-        }
-        mk_gemm_bf16((int)mq, (int)nk, (int)(Dp / 2), Qb, (int)Dp, Kp, (int)LDK, S, BK, 0);
+        mk_gemm_bf16((int)mq, (int)nk, (int)(Dp / 2), Qb, (int)Dp, (const uint16_t *)Kblk, (int)LDK, S, BK, 0);
       } else
 #endif
       {
-        ATTN_SUFFIX(pack_t_f32)(p, p->k, krow0 + k0, nk, Kt, LDK);
-        mk_gemm((int)mq, (int)nk, (int)D, Qa, (int)D, Kt, (int)LDK, S, BK, 0);
+        mk_gemm((int)mq, (int)nk, (int)D, Qa, (int)D, (const float *)Kblk, (int)LDK, S, BK, 0);
       }
       if (p->causal) ATTN_SUFFIX(mask_tile)(p, S, BK, q0, mq, k0, nk);
 
@@ -170,37 +240,11 @@ static void ATTN_SUFFIX(fwd)(const t3d__attn_problem *p, int64_t begin, int64_t 
 
 #if ATTN_HAS_BF16DOT
       if (dot16) {
-        const uint16_t *src = (const uint16_t *)p->v + (krow0 + k0) * D;
-        uint16_t *Vp = (uint16_t *)Vf;
-        const int64_t nkp = (nk + 1) / 2;
-        for (int64_t j2 = 0; j2 < nkp; j2++) {
-          const uint16_t *r0 = src + (2 * j2) * D;
-          if (2 * j2 + 1 < nk) {
-            const uint16_t *r1 = r0 + D;
-            for (int64_t d = 0; d < D; d++) {
-              Vp[(j2 * LDV + d) * 2] = r0[d];
-              Vp[(j2 * LDV + d) * 2 + 1] = r1[d];
-            }
-          } else {
-            for (int64_t d = 0; d < D; d++) {
-              Vp[(j2 * LDV + d) * 2] = r0[d];
-              Vp[(j2 * LDV + d) * 2 + 1] = 0;
-            }
-          }
-        }
-        mk_gemm_bf16((int)mq, (int)D, (int)nkp, Pb, BK, Vp, (int)LDV, O, (int)D, 1);
+        mk_gemm_bf16((int)mq, (int)D, (int)((nk + 1) / 2), Pb, BK, (const uint16_t *)Vblk, (int)LDV, O, (int)D, 1);
       } else
 #endif
       {
-        if (p->dtype == T3D_ATTN_FLOAT32) {
-          const float *src = (const float *)p->v + (krow0 + k0) * D;
-          for (int64_t j = 0; j < nk; j++) memcpy(Vf + j * LDV, src + j * D, sizeof(float) * (size_t)D);
-        } else {
-          const uint16_t *src = (const uint16_t *)p->v + (krow0 + k0) * D;
-          for (int64_t j = 0; j < nk; j++)
-            for (int64_t d = 0; d < D; d++) Vf[j * LDV + d] = t3d__bf16_to_f32(src[j * D + d]);
-        }
-        mk_gemm((int)mq, (int)D, (int)nk, S, BK, Vf, (int)LDV, O, (int)D, 1);
+        mk_gemm((int)mq, (int)D, (int)nk, S, BK, (const float *)Vblk, (int)LDV, O, (int)D, 1);
       }
     }
 
@@ -293,4 +337,4 @@ static void ATTN_SUFFIX(bwd)(const t3d__attn_problem *p, int64_t begin, int64_t 
   }
 }
 
-const t3d__attn_isa_ops ATTN_SUFFIX(t3d__attn_ops) = {ATTN_SUFFIX(fwd), ATTN_SUFFIX(bwd)};
+const t3d__attn_isa_ops ATTN_SUFFIX(t3d__attn_ops) = {ATTN_SUFFIX(fwd), ATTN_SUFFIX(bwd), ATTN_SUFFIX(fwd_pack)};

@@ -18,6 +18,19 @@
 #define ATTN_BWD_BQ 64
 #define ATTN_BWD_BK 64
 #define ATTN_DMAX T3D_ATTN_MAX_HEAD_DIM
+/* Forward's packed K^T / V leading dimensions: padded so a 512-byte stride does not map a GEMM panel's rows onto a
+ * few L1 sets. */
+#define ATTN_FWD_LDK(D) ((int64_t)ATTN_FWD_BK + 16)
+#define ATTN_FWD_LDV(D) ((int64_t)(D) + 16)
+
+/* Bytes of one forward key block packed for the GEMMs: K^T then V. dot16: bfloat16 pairs (one 32-bit lane per
+ * pair); otherwise float32. */
+static inline int64_t t3d__attn_fwd_kbytes(int64_t D, int dot16) {
+  return 4 * (dot16 ? (D + 1) / 2 : D) * ATTN_FWD_LDK(D);
+}
+static inline int64_t t3d__attn_fwd_vbytes(int64_t D, int dot16) {
+  return 4 * (dot16 ? ATTN_FWD_BK / 2 : ATTN_FWD_BK) * ATTN_FWD_LDV(D);
+}
 
 typedef struct t3d__attn_problem {
   t3d_attn_dtype_t dtype;
@@ -38,12 +51,18 @@ typedef struct t3d__attn_problem {
   float scale;
   int64_t q_start, k_start;
   int64_t nqb, nkb; /* query / key blocks of the pass being run */
+  /* forward: every key block of every (batch, kv head) packed once up front (NULL: each task packs its own),
+   * block (b * Hkv + kvh) * nkb + kb at kvpack + that index * kvpack_bytes, K^T then V. */
+  unsigned char *kvpack;
+  int64_t kvpack_bytes;
 } t3d__attn_problem;
 
 /* Per-ISA driver entry points. task ranges index the pass's task list; scratch is per thread, scratch_bytes big. */
 typedef struct t3d__attn_isa_ops {
   void (*fwd)(const t3d__attn_problem *p, int64_t begin, int64_t end, void *scratch);
   void (*bwd)(const t3d__attn_problem *p, int64_t begin, int64_t end, void *scratch);
+  /* forward pre-pass: packs key blocks [begin, end) (indexed as for kvpack) into p->kvpack */
+  void (*fwd_pack)(const t3d__attn_problem *p, int64_t begin, int64_t end, void *scratch);
 } t3d__attn_isa_ops;
 
 extern const t3d__attn_isa_ops t3d__attn_ops_scalar;
