@@ -55,21 +55,14 @@ std::tuple<at::Tensor, at::Tensor> attentionCpu(const at::Tensor& q, const at::T
   checkQkv(op, q, k, v);
   checkCpu(op, q, "q");
   float s = checkScale(op, scale);
-  at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
-  const int64_t b = q.size(0), hq = q.size(1), sq = q.size(2), d = q.size(3), hk = k.size(1), sk = k.size(2);
-  at::Tensor out = at::empty_like(qc, at::MemoryFormat::Contiguous);
-  at::Tensor lse = at::empty({b, hq, sq}, q.options().dtype(at::kFloat));
-  if (out.numel() == 0) return {out, lse};
-  if (sk == 0) {
-    out.zero_();
-    lse.fill_(-std::numeric_limits<float>::infinity());
-    return {out, lse};
-  }
+  ForwardArgs a = prepareForward(q, k, v);
+  if (a.done) return {a.out, a.lse};
   t3d_attn_exec_t e = atenExec();
-  int rc = t3d_attn_forward(attnDtype(q), qc.data_ptr(), kc.data_ptr(), vc.data_ptr(), out.data_ptr(),
-                            lse.data_ptr<float>(), b, hq, hk, sq, sk, d, causal ? 1 : 0, s, qStart, kStart, &e);
+  int rc = t3d_attn_forward(attnDtype(q), a.qc.data_ptr(), a.kc.data_ptr(), a.vc.data_ptr(), a.out.data_ptr(),
+                            a.lse.data_ptr<float>(), a.b, a.hq, a.hk, a.sq, a.sk, a.d, causal ? 1 : 0, s, qStart,
+                            kStart, &e);
   checkRc(op, rc);
-  return {out, lse};
+  return {a.out, a.lse};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attentionBackwardCpu(

@@ -88,4 +88,28 @@ inline void checkMerge(const at::Tensor& out, const at::Tensor& lse, const at::T
   TORCH_CHECK(lse.is_contiguous(), "t3d.", op, ": 'lse' must be contiguous (it is updated in place)");
 }
 
+// What both forward kernels (CPU, CUDA) start from: contiguous inputs, the outputs allocated, and the cases that need
+// no kernel (empty output; no keys: out 0, lse -inf) already answered (`done`).
+struct ForwardArgs {
+  at::Tensor qc, kc, vc, out, lse;
+  int64_t b, hq, hk, sq, sk, d;
+  bool done;
+};
+
+inline ForwardArgs prepareForward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  ForwardArgs a;
+  a.qc = q.contiguous();
+  a.kc = k.contiguous();
+  a.vc = v.contiguous();
+  a.b = q.size(0), a.hq = q.size(1), a.sq = q.size(2), a.d = q.size(3), a.hk = k.size(1), a.sk = k.size(2);
+  a.out = at::empty_like(a.qc, at::MemoryFormat::Contiguous);
+  a.lse = at::empty({a.b, a.hq, a.sq}, q.options().dtype(at::kFloat));
+  a.done = a.out.numel() == 0 || a.sk == 0;
+  if (a.out.numel() != 0 && a.sk == 0) {
+    a.out.zero_();
+    a.lse.fill_(-std::numeric_limits<float>::infinity());
+  }
+  return a;
+}
+
 }  // namespace t3d_ops

@@ -36,21 +36,13 @@ std::tuple<at::Tensor, at::Tensor> attentionCuda(const at::Tensor& q, const at::
   checkCuda(op, q, "q");
   float s = checkScale(op, scale);
   c10::cuda::CUDAGuard guard(q.device());
-  at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
-  const int64_t b = q.size(0), hq = q.size(1), sq = q.size(2), d = q.size(3), hk = k.size(1), sk = k.size(2);
-  at::Tensor out = at::empty_like(qc, at::MemoryFormat::Contiguous);
-  at::Tensor lse = at::empty({b, hq, sq}, q.options().dtype(at::kFloat));
-  if (out.numel() == 0) return {out, lse};
-  if (sk == 0) {
-    out.zero_();
-    lse.fill_(-std::numeric_limits<float>::infinity());
-    return {out, lse};
-  }
+  ForwardArgs a = prepareForward(q, k, v);
+  if (a.done) return {a.out, a.lse};
   void* st = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
-  checkRc(op, t3d_attn_cuda_forward(cudaDtype(q), qc.data_ptr(), kc.data_ptr(), vc.data_ptr(), out.data_ptr(),
-                                    lse.data_ptr<float>(), b, hq, hk, sq, sk, d, causal ? 1 : 0, s, qStart, kStart,
-                                    st));
-  return {out, lse};
+  checkRc(op, t3d_attn_cuda_forward(cudaDtype(q), a.qc.data_ptr(), a.kc.data_ptr(), a.vc.data_ptr(),
+                                    a.out.data_ptr(), a.lse.data_ptr<float>(), a.b, a.hq, a.hk, a.sq, a.sk, a.d,
+                                    causal ? 1 : 0, s, qStart, kStart, st));
+  return {a.out, a.lse};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attentionBackwardCuda(
