@@ -41,6 +41,15 @@ static int cpu_has_bf16dot(void) {
 #endif
 }
 
+/* AMX tiles need AVX512_BF16 as well (the softmax packs P with vcvtne2ps2bf16) and the kernel's permission. */
+static int cpu_has_amx(void) {
+#if defined(T3D_ATTN_HAVE_AMX)
+  return cpu_has_bf16dot() && t3d__attn_amx_usable();
+#else
+  return 0;
+#endif
+}
+
 /* bfloat16 forward through vdpbf16ps (AVX-512 only). Off unless T3D_ATTN_BF16DOT=1: on the Xeon it was measured on
  * (avx512_bf16, AMX) widening to float32 and using FMAs ran the forward ~1.4x faster than vdpbf16ps, and it keeps P
  * in float32 instead of rounding it to bfloat16. Read per call like T3D_ATTN_ISA. */
@@ -55,11 +64,13 @@ int t3d_attn_isa_available(t3d_attn_isa_t isa) {
     case T3D_ATTN_ISA_SCALAR: return 1;
     case T3D_ATTN_ISA_AVX2: return cpu_has_avx2();
     case T3D_ATTN_ISA_AVX512: return cpu_has_avx512();
+    case T3D_ATTN_ISA_AMX: return cpu_has_amx();
   }
   return 0;
 }
 
 static t3d_attn_isa_t best_isa_upto(t3d_attn_isa_t cap) {
+  if (cap >= T3D_ATTN_ISA_AMX && cpu_has_amx()) return T3D_ATTN_ISA_AMX;
   if (cap >= T3D_ATTN_ISA_AVX512 && cpu_has_avx512()) return T3D_ATTN_ISA_AVX512;
   if (cap >= T3D_ATTN_ISA_AVX2 && cpu_has_avx2()) return T3D_ATTN_ISA_AVX2;
   return T3D_ATTN_ISA_SCALAR;
@@ -73,8 +84,9 @@ t3d_attn_isa_t t3d_attn_isa_selected(void) {
     if (!strcmp(env, "scalar")) return T3D_ATTN_ISA_SCALAR;
     if (!strcmp(env, "avx2")) return best_isa_upto(T3D_ATTN_ISA_AVX2);
     if (!strcmp(env, "avx512")) return best_isa_upto(T3D_ATTN_ISA_AVX512);
+    if (!strcmp(env, "amx")) return best_isa_upto(T3D_ATTN_ISA_AMX);
   }
-  return best_isa_upto(T3D_ATTN_ISA_AVX512);
+  return best_isa_upto(T3D_ATTN_ISA_AMX);
 }
 
 const char *t3d_attn_isa_name(t3d_attn_isa_t isa) {
@@ -83,6 +95,7 @@ const char *t3d_attn_isa_name(t3d_attn_isa_t isa) {
     case T3D_ATTN_ISA_SCALAR: return "scalar";
     case T3D_ATTN_ISA_AVX2: return "avx2";
     case T3D_ATTN_ISA_AVX512: return "avx512";
+    case T3D_ATTN_ISA_AMX: return "amx";
   }
   return "unknown";
 }
@@ -90,6 +103,7 @@ const char *t3d_attn_isa_name(t3d_attn_isa_t isa) {
 const char *t3d_attn_isa_describe(t3d_attn_isa_t isa, t3d_attn_dtype_t dtype) {
   if (isa == T3D_ATTN_ISA_AUTO) isa = t3d_attn_isa_selected();
   if (dtype == T3D_ATTN_BFLOAT16 && use_bf16dot(isa)) return "avx512-bf16";
+  if (isa == T3D_ATTN_ISA_AMX && dtype != T3D_ATTN_BFLOAT16) return "avx512";
   return t3d_attn_isa_name(isa);
 }
 
@@ -99,14 +113,22 @@ static int resolve_isa(const t3d_attn_exec_t *exec, t3d_attn_isa_t *isa) {
     *isa = t3d_attn_isa_selected();
     return T3D_ATTN_OK;
   }
-  if (want < T3D_ATTN_ISA_SCALAR || want > T3D_ATTN_ISA_AVX512) return T3D_ATTN_ERR_INVALID_ARG;
+  if (want < T3D_ATTN_ISA_SCALAR || want > T3D_ATTN_ISA_AMX) return T3D_ATTN_ERR_INVALID_ARG;
   if (!t3d_attn_isa_available(want)) return T3D_ATTN_ERR_UNSUPPORTED;
   *isa = want;
   return T3D_ATTN_OK;
 }
 
-static const t3d__attn_isa_ops *isa_ops(t3d_attn_isa_t isa) {
+#if defined(T3D_ATTN_HAVE_AMX)
+static const t3d__attn_isa_ops amx_ops = {t3d__attn_amx_fwd, t3d__attn_amx_bwd, t3d__attn_amx_fwd_pack};
+#endif
+
+/* AMX covers bfloat16; float32 under it runs the AVX-512 drivers. */
+static const t3d__attn_isa_ops *isa_ops(t3d_attn_isa_t isa, t3d_attn_dtype_t dtype) {
   switch (isa) {
+#if defined(T3D_ATTN_HAVE_AMX)
+    case T3D_ATTN_ISA_AMX: return dtype == T3D_ATTN_BFLOAT16 ? &amx_ops : &t3d__attn_ops_avx512;
+#endif
     case T3D_ATTN_ISA_AVX512: return &t3d__attn_ops_avx512;
     case T3D_ATTN_ISA_AVX2: return &t3d__attn_ops_avx2;
     default: return &t3d__attn_ops_scalar;
@@ -253,7 +275,7 @@ int t3d_attn_forward(t3d_attn_dtype_t dtype, const void *q, const void *k, const
 
   attn_job j;
   memset(&j, 0, sizeof j);
-  j.ops = isa_ops(isa);
+  j.ops = isa_ops(isa, dtype);
   t3d__attn_problem *p = &j.p;
   p->dtype = dtype;
   p->use_bf16dot = use_bf16dot(isa);
@@ -284,7 +306,10 @@ int t3d_attn_forward(t3d_attn_dtype_t dtype, const void *q, const void *k, const
   const int64_t units = batch * kv_heads;
   if (p->nkb > 0 && p->nqb * p->group > 1) {
     const int dot16 = p->use_bf16dot && dtype == T3D_ATTN_BFLOAT16;
-    const int64_t blk = t3d__attn_fwd_kbytes(head_dim, dot16) + t3d__attn_fwd_vbytes(head_dim, dot16);
+    int64_t blk = t3d__attn_fwd_kbytes(head_dim, dot16) + t3d__attn_fwd_vbytes(head_dim, dot16);
+#if defined(T3D_ATTN_HAVE_AMX)
+    if (isa == T3D_ATTN_ISA_AMX && dtype == T3D_ATTN_BFLOAT16) blk = t3d__attn_amx_fwd_block_bytes(head_dim);
+#endif
     const double total = (double)units * (double)p->nkb * (double)blk;
     if (total <= 2.0e9) kvpack = (unsigned char *)scratch_alloc((size_t)total);
     if (kvpack) {
@@ -368,7 +393,7 @@ int t3d_attn_backward(t3d_attn_dtype_t dtype, const void *dout, const void *q, c
 
   attn_job j;
   memset(&j, 0, sizeof j);
-  j.ops = isa_ops(isa);
+  j.ops = isa_ops(isa, dtype);
   t3d__attn_problem *p = &j.p;
   p->dtype = dtype;
   p->use_bf16dot = 0; /* the backward computes in float32 on every path */

@@ -69,6 +69,14 @@ extern const t3d__attn_isa_ops t3d__attn_ops_scalar;
 extern const t3d__attn_isa_ops t3d__attn_ops_avx2;
 extern const t3d__attn_isa_ops t3d__attn_ops_avx512;
 
+/* AMX-BF16 path (attn_cpu_amx.c, built when the compiler knows the AMX intrinsics: T3D_ATTN_HAVE_AMX). bfloat16
+ * only. usable: the CPU has the tiles and the kernel granted this process their state (asked once). */
+int t3d__attn_amx_usable(void);
+int64_t t3d__attn_amx_fwd_block_bytes(int64_t D);
+void t3d__attn_amx_fwd(const t3d__attn_problem *p, int64_t begin, int64_t end, void *scratch);
+void t3d__attn_amx_fwd_pack(const t3d__attn_problem *p, int64_t begin, int64_t end, void *scratch);
+void t3d__attn_amx_bwd(const t3d__attn_problem *p, int64_t begin, int64_t end, void *scratch);
+
 /* Generous per-thread scratch for either pass (floats), sized for ATTN_DMAX. */
 #define ATTN_SCRATCH_FLOATS                                                                                      \
   ((size_t)(4 * ATTN_DMAX * 128 + 6 * 128 * 128 + 8 * 128 + 4096))

@@ -1,6 +1,6 @@
 /* bench_attn: times t3d_attn_forward and forward+backward (ms, GFLOP/s) on B=1, H=8, S=2048, D=64/128, causal and
  * not, float32 and bfloat16. Not run by ctest. Usage: bench_attn [threads=2] [seq=2048] [reps=3] [isa=auto|scalar|
- * avx2|avx512]. FLOPs count the two (fwd) or seven (fwd+bwd: 2 + 5) matrix products, halved when causal. */
+ * avx2|avx512|amx]. FLOPs count the two (fwd) or seven (fwd+bwd: 2 + 5) matrix products, halved when causal. */
 #define _POSIX_C_SOURCE 200809L
 #include <math.h>
 #include <stdint.h>
@@ -54,6 +54,7 @@ int main(int argc, char **argv) {
     if (!strcmp(argv[4], "scalar")) ex.isa = T3D_ATTN_ISA_SCALAR;
     if (!strcmp(argv[4], "avx2")) ex.isa = T3D_ATTN_ISA_AVX2;
     if (!strcmp(argv[4], "avx512")) ex.isa = T3D_ATTN_ISA_AVX512;
+    if (!strcmp(argv[4], "amx")) ex.isa = T3D_ATTN_ISA_AMX;
   }
   const int64_t B = 1, H = 8;
   /* cpu_GF/s: GFLOP per CPU-second of this process, the per-core rate; it stays meaningful on a loaded box where

@@ -26,10 +26,12 @@ typedef enum {
 } t3d_attn_dtype_t;
 
 typedef enum {
-  T3D_ATTN_ISA_AUTO = 0, /* best available, unless T3D_ATTN_ISA=scalar|avx2|avx512 names another */
+  T3D_ATTN_ISA_AUTO = 0, /* best available, unless T3D_ATTN_ISA=scalar|avx2|avx512|amx names another */
   T3D_ATTN_ISA_SCALAR = 1,
   T3D_ATTN_ISA_AVX2 = 2,   /* AVX2 + FMA */
-  T3D_ATTN_ISA_AVX512 = 3  /* AVX-512 F/BW/VL, plus vdpbf16ps for bfloat16 inputs where the CPU has AVX512_BF16 */
+  T3D_ATTN_ISA_AVX512 = 3, /* AVX-512 F/BW/VL, plus vdpbf16ps for bfloat16 inputs where the CPU has AVX512_BF16 */
+  T3D_ATTN_ISA_AMX = 4     /* bfloat16 on AMX-BF16 tiles (needs AVX512_BF16 too and the OS's tile permission, asked
+                              once); float32 under it runs the AVX-512 path */
 } t3d_attn_isa_t;
 
 /* A parallel-for supplied by the caller (e.g. a wrapper around at::parallel_for): it must call body(arg, begin, end)
@@ -73,9 +75,10 @@ int t3d_attn_merge(t3d_attn_dtype_t out_dtype, void *out, float *lse, t3d_attn_d
 /* The path AUTO resolves to now (after T3D_ATTN_ISA), and whether a path can run here. */
 t3d_attn_isa_t t3d_attn_isa_selected(void);
 int t3d_attn_isa_available(t3d_attn_isa_t isa);
-/* "scalar", "avx2", "avx512", "avx512-bf16" (AVX-512 with vdpbf16ps), "auto", or "unknown". Static, never NULL. */
+/* "scalar", "avx2", "avx512", "amx", "auto", or "unknown". Static, never NULL. */
 const char *t3d_attn_isa_name(t3d_attn_isa_t isa);
-/* Names the path t3d_attn_forward takes for bfloat16 under isa, telling "avx512-bf16" from "avx512". */
+/* Names the path t3d_attn_forward takes for dtype under isa: "avx512-bf16" (AVX-512 with vdpbf16ps) for bfloat16
+ * under T3D_ATTN_BF16DOT=1, "avx512" for float32 under AMX, else the ISA's name. */
 const char *t3d_attn_isa_describe(t3d_attn_isa_t isa, t3d_attn_dtype_t dtype);
 
 #ifdef __cplusplus

@@ -188,7 +188,7 @@ void expect_lse(const std::vector<float> &got, const std::vector<double> &ref, d
 
 std::vector<t3d_attn_isa_t> isas_here() {
   std::vector<t3d_attn_isa_t> r;
-  for (t3d_attn_isa_t i : {T3D_ATTN_ISA_SCALAR, T3D_ATTN_ISA_AVX2, T3D_ATTN_ISA_AVX512})
+  for (t3d_attn_isa_t i : {T3D_ATTN_ISA_SCALAR, T3D_ATTN_ISA_AVX2, T3D_ATTN_ISA_AVX512, T3D_ATTN_ISA_AMX})
     if (t3d_attn_isa_available(i)) r.push_back(i);
   return r;
 }
@@ -235,8 +235,10 @@ std::vector<Shape> shapes() {
 std::vector<Case> all_cases() {
   std::vector<Case> r;
   for (t3d_attn_isa_t isa : isas_here())
-    for (t3d_attn_dtype_t dt : {T3D_ATTN_FLOAT32, T3D_ATTN_BFLOAT16})
+    for (t3d_attn_dtype_t dt : {T3D_ATTN_FLOAT32, T3D_ATTN_BFLOAT16}) {
+      if (isa == T3D_ATTN_ISA_AMX && dt == T3D_ATTN_FLOAT32) continue;  // float32 under AMX is the AVX-512 path
       for (const Shape &s : shapes()) r.push_back({isa, dt, s});
+    }
   return r;
 }
 
@@ -402,6 +404,13 @@ TEST(AttnExec, EnvVarForcesPath) {
   setenv("T3D_ATTN_ISA", "avx2", 1);
   EXPECT_EQ(t3d_attn_isa_selected(), t3d_attn_isa_available(T3D_ATTN_ISA_AVX2) ? T3D_ATTN_ISA_AVX2
                                                                                : T3D_ATTN_ISA_SCALAR);
+  if (t3d_attn_isa_available(T3D_ATTN_ISA_AVX512)) {
+    setenv("T3D_ATTN_ISA", "avx512", 1);
+    EXPECT_EQ(t3d_attn_isa_selected(), T3D_ATTN_ISA_AVX512);
+  }
+  setenv("T3D_ATTN_ISA", "amx", 1);
+  EXPECT_EQ(t3d_attn_isa_selected() == T3D_ATTN_ISA_AMX, t3d_attn_isa_available(T3D_ATTN_ISA_AMX) != 0);
+  EXPECT_STREQ(t3d_attn_isa_describe(T3D_ATTN_ISA_AMX, T3D_ATTN_FLOAT32), "avx512");
   // A forced path also runs: the scalar path through AUTO matches the explicit scalar path bit for bit.
   Shape s{1, 2, 1, 70, 90, 64, true, 20, 0, 1.0};
   Problem pr(s, T3D_ATTN_FLOAT32, 3);

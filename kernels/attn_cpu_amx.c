@@ -1,0 +1,362 @@
+/* bfloat16 attention on AMX tiles (AMX-TILE + AMX-BF16), with AVX-512 for the softmax and the element-wise work.
+ * Only this file is built with -mamx-tile -mamx-bf16 (plus the AVX-512 flags it needs); attn_cpu.c calls into it
+ * only after t3d__attn_amx_usable() said yes: the CPU reports the tiles (CPUID) and Linux granted this process the
+ * tile data state (arch_prctl ARCH_REQ_XCOMP_PERM), asked once.
+ *
+ * Every tile is used full size (16 rows x 64 bytes); operands are packed into zero-padded buffers so that no tile
+ * reads past the problem: the head dimension is padded to 32 (the K of the QK^T tiles) or 16 (the N of the PV
+ * tiles), key blocks to 32 keys. Products accumulate in float32; P and dS are rounded to bfloat16 for the second
+ * product as flash attention does. */
+#define _GNU_SOURCE
+#include <cpuid.h>
+#include <immintrin.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "attn_cpu_internal.h"
+
+#define LOG2E 1.4426950408889634f
+#define LN2 0.6931471805599453f
+/* Lazy rescaling: a row's running maximum only moves when a block's maximum exceeds it by more than this (log2
+ * units), so probabilities stay below 2^8 and most blocks skip rescaling the accumulators. Exact either way: the
+ * final lse and normalisation use the maximum actually applied. */
+#define RESCALE_SLACK 8.0f
+
+enum { BQ = ATTN_FWD_BQ, BK = ATTN_FWD_BK };
+
+/* ---------------------------------------------------------------- availability */
+
+static pthread_once_t amx_once = PTHREAD_ONCE_INIT;
+static int amx_ok;
+
+static void amx_probe(void) {
+  unsigned a, b, c, d;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return;
+  if (!(d & (1u << 22)) || !(d & (1u << 24))) return; /* AMX-BF16, AMX-TILE */
+  /* ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA: process wide, refused by kernels without AMX support. */
+  if (syscall(SYS_arch_prctl, 0x1023, 18) != 0) return;
+  amx_ok = 1;
+}
+
+int t3d__attn_amx_usable(void) {
+  pthread_once(&amx_once, amx_probe);
+  return amx_ok;
+}
+
+typedef struct {
+  uint8_t palette_id, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+} amx_cfg_t;
+
+/* Tiles 0-3 accumulate, 4-5 hold A, 6-7 hold B; all 16 rows x 64 bytes. Per thread: called at the start of every
+ * task range (the threads come from the caller's pool). */
+static void amx_begin(void) {
+  amx_cfg_t cfg;
+  memset(&cfg, 0, sizeof cfg);
+  cfg.palette_id = 1;
+  for (int i = 0; i < 8; i++) {
+    cfg.colsb[i] = 64;
+    cfg.rows[i] = 16;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+/* ---------------------------------------------------------------- tile GEMM */
+
+/* C (+)= A B over tiles: A bfloat16 row-major, tile (i, kk) at A + 16 i lda + 64 kk bytes; B in pair (VNNI) layout,
+ * tile (kk, j) at B + 16 kk ldb + 64 j; C float32, tile (i, j) at C + 16 i ldc + 64 j. mt, nt: 16-row / 16-column
+ * tiles of C, kt: 32-element steps of the inner dimension. Leading dimensions in bytes. */
+#define ATILE(t, i, kk) _tile_loadd(t, a + (int64_t)(i) * 16 * lda + (int64_t)(kk) * 64, lda)
+#define BTILE(t, kk, j) _tile_loadd(t, b + (int64_t)(kk) * 16 * ldb + (int64_t)(j) * 64, ldb)
+#define CPTR(i, j) (c + (int64_t)(i) * 16 * ldc + (int64_t)(j) * 64)
+#define CINIT(t, i, j)                 \
+  do {                                 \
+    if (acc)                           \
+      _tile_loadd(t, CPTR(i, j), ldc); \
+    else                               \
+      _tile_zero(t);                   \
+  } while (0)
+
+static void amx_gemm(int mt, int nt, int kt, const void *A, int64_t lda, const void *B, int64_t ldb, float *C,
+                     int64_t ldc, int acc) {
+  const char *a = (const char *)A, *b = (const char *)B;
+  char *c = (char *)C;
+  int i = 0;
+  for (; i + 2 <= mt; i += 2) {
+    int j = 0;
+    for (; j + 2 <= nt; j += 2) {
+      CINIT(0, i, j);
+      CINIT(1, i, j + 1);
+      CINIT(2, i + 1, j);
+      CINIT(3, i + 1, j + 1);
+      for (int kk = 0; kk < kt; kk++) {
+        ATILE(4, i, kk);
+        BTILE(6, kk, j);
+        _tile_dpbf16ps(0, 4, 6);
+        BTILE(7, kk, j + 1);
+        _tile_dpbf16ps(1, 4, 7);
+        ATILE(5, i + 1, kk);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+      _tile_stored(0, CPTR(i, j), ldc);
+      _tile_stored(1, CPTR(i, j + 1), ldc);
+      _tile_stored(2, CPTR(i + 1, j), ldc);
+      _tile_stored(3, CPTR(i + 1, j + 1), ldc);
+    }
+    if (j < nt) {
+      CINIT(0, i, j);
+      CINIT(2, i + 1, j);
+      for (int kk = 0; kk < kt; kk++) {
+        BTILE(6, kk, j);
+        ATILE(4, i, kk);
+        _tile_dpbf16ps(0, 4, 6);
+        ATILE(5, i + 1, kk);
+        _tile_dpbf16ps(2, 5, 6);
+      }
+      _tile_stored(0, CPTR(i, j), ldc);
+      _tile_stored(2, CPTR(i + 1, j), ldc);
+    }
+  }
+  if (i < mt) {
+    int j = 0;
+    for (; j + 2 <= nt; j += 2) {
+      CINIT(0, i, j);
+      CINIT(1, i, j + 1);
+      for (int kk = 0; kk < kt; kk++) {
+        ATILE(4, i, kk);
+        BTILE(6, kk, j);
+        _tile_dpbf16ps(0, 4, 6);
+        BTILE(7, kk, j + 1);
+        _tile_dpbf16ps(1, 4, 7);
+      }
+      _tile_stored(0, CPTR(i, j), ldc);
+      _tile_stored(1, CPTR(i, j + 1), ldc);
+    }
+    if (j < nt) {
+      CINIT(0, i, j);
+      for (int kk = 0; kk < kt; kk++) {
+        ATILE(4, i, kk);
+        BTILE(6, kk, j);
+        _tile_dpbf16ps(0, 4, 6);
+      }
+      _tile_stored(0, CPTR(i, j), ldc);
+    }
+  }
+}
+
+/* ---------------------------------------------------------------- AVX-512 helpers */
+
+static inline __mmask16 mask16(int64_t r) {
+  return r >= 16 ? (__mmask16)0xffff : r <= 0 ? (__mmask16)0 : (__mmask16)((1u << r) - 1u);
+}
+
+/* 2^x for x <= ~8 (callers subtract the row maximum): x = n + f, |f| <= 1/2, 2^f by its degree-6 Taylor polynomial
+ * (relative error < 2e-7), then scalef. Clamping at -150 flushes very negative arguments to 0. */
+static inline __m512 exp2_ps(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-150.0f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.5403530393381606e-04f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-03f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-02f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402265069591007e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931471805599453e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+static inline float row_max(const float *x, int64_t n) {
+  __m512 m = _mm512_set1_ps(-INFINITY);
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(x + j));
+  if (j < n) m = _mm512_max_ps(m, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), mask16(n - j), x + j));
+  return _mm512_reduce_max_ps(m);
+}
+
+/* dst[0..n) = bfloat16(x[0..n) * mul) (round to nearest even), for float32 rows without NaN. */
+static inline void store_bf16_row(uint16_t *dst, const float *x, int64_t n, float mul) {
+  const __m512 vm = _mm512_set1_ps(mul);
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 mk = mask16(n - j);
+    const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, x + j), vm);
+    _mm256_mask_storeu_epi16(dst + j, mk, (__m256i)_mm512_cvtneps_pbh(v));
+  }
+}
+
+/* ---------------------------------------------------------------- forward */
+
+static inline int64_t pad32(int64_t x) { return (x + 31) & ~(int64_t)31; }
+static inline int64_t pad16(int64_t x) { return (x + 15) & ~(int64_t)15; }
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+/* Packed key block: K^T in pairs, (DP / 2) rows of LDKW words (word (p, j) = K[j][2p], K[j][2p + 1]), then V in
+ * pairs, (BK / 2) rows of LDVW words (word (j2, d) = V[2 j2][d], V[2 j2 + 1][d]); zero past the keys and D. Row
+ * strides padded off multiples of 512 bytes. */
+#define LDKW ((int64_t)BK + 16)
+static inline int64_t ldvw(int64_t D) { return pad16(D) + 16; }
+static inline int64_t kwords(int64_t D) { return pad32(D) / 2 * LDKW; }
+
+int64_t t3d__attn_amx_fwd_block_bytes(int64_t D) { return 4 * (kwords(D) + (BK / 2) * ldvw(D)); }
+
+static void pack_block(const t3d__attn_problem *p, int64_t r0, int64_t nk, uint32_t *Kp, uint32_t *Vp) {
+  const int64_t D = p->D, DP = pad32(D), DO = pad16(D), LV = ldvw(D);
+  const uint16_t *ks = (const uint16_t *)p->k + r0 * D, *vs = (const uint16_t *)p->v + r0 * D;
+  for (int64_t pp = 0; pp < DP / 2; pp++) {
+    uint32_t *dst = Kp + pp * LDKW;
+    const int64_t d0 = 2 * pp;
+    if (d0 + 1 < D) {
+      for (int64_t j = 0; j < nk; j++) memcpy(dst + j, ks + j * D + d0, 4);
+    } else if (d0 < D) {
+      for (int64_t j = 0; j < nk; j++) dst[j] = ks[j * D + d0];
+    } else {
+      memset(dst, 0, 4 * (size_t)nk);
+    }
+    memset(dst + nk, 0, 4 * (size_t)(BK - nk));
+  }
+  for (int64_t j2 = 0; j2 < BK / 2; j2++) {
+    uint32_t *dst = Vp + j2 * LV;
+    const int64_t j = 2 * j2;
+    if (j + 1 < nk) {
+      const uint16_t *x = vs + j * D, *y = x + D;
+      int64_t d = 0;
+      for (; d + 16 <= D; d += 16) {
+        const __m256i xa = _mm256_loadu_si256((const __m256i *)(x + d));
+        const __m256i ya = _mm256_loadu_si256((const __m256i *)(y + d));
+        const __m512i w = _mm512_or_si512(_mm512_cvtepu16_epi32(xa),
+                                          _mm512_slli_epi32(_mm512_cvtepu16_epi32(ya), 16));
+        _mm512_storeu_si512(dst + d, w);
+      }
+      for (; d < D; d++) dst[d] = (uint32_t)x[d] | ((uint32_t)y[d] << 16);
+    } else if (j < nk) {
+      for (int64_t d = 0; d < D; d++) dst[d] = vs[j * D + d];
+    } else {
+      memset(dst, 0, 4 * (size_t)D);
+    }
+    memset(dst + D, 0, 4 * (size_t)(DO - D));
+  }
+}
+
+void t3d__attn_amx_fwd_pack(const t3d__attn_problem *p, int64_t begin, int64_t end, void *scratch) {
+  (void)scratch;
+  for (int64_t t = begin; t < end; t++) {
+    const int64_t unit = t / p->nkb, kb = t % p->nkb;
+    const int64_t k0 = kb * BK, nk = min64(BK, p->Sk - k0);
+    uint32_t *blk = (uint32_t *)(p->kvpack + t * p->kvpack_bytes);
+    pack_block(p, unit * p->Sk + k0, nk, blk, blk + kwords(p->D));
+  }
+}
+
+/* Softmax of one score row against the running state, written to P as bfloat16: columns [0, vis) are visible,
+ * [vis, n32) become zeros. Rescales the accumulator row O (DO floats) when the maximum moves. */
+static inline void softmax_row(const float *S, int64_t vis, int64_t n32, float c, float *m2, float *l, float *O,
+                               int64_t DO, uint16_t *P) {
+  if (vis <= 0) {
+    memset(P, 0, 2 * (size_t)n32);
+    return;
+  }
+  const float mx = row_max(S, vis) * c;
+  if (mx > *m2 + RESCALE_SLACK) {
+    const float alpha = exp2f(*m2 - mx); /* 0 the first time (m2 = -inf) */
+    *l *= alpha;
+    const __m512 va = _mm512_set1_ps(alpha);
+    for (int64_t d = 0; d < DO; d += 16) _mm512_storeu_ps(O + d, _mm512_mul_ps(_mm512_loadu_ps(O + d), va));
+    *m2 = mx;
+  }
+  const __m512 vc = _mm512_set1_ps(c), vs = _mm512_set1_ps(*m2);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n32; j += 32) {
+    const __mmask16 k0 = mask16(vis - j), k1 = mask16(vis - j - 16);
+    const __m512 e0 = _mm512_maskz_mov_ps(k0, exp2_ps(_mm512_fmsub_ps(vc, _mm512_maskz_loadu_ps(k0, S + j), vs)));
+    const __m512 e1 =
+        _mm512_maskz_mov_ps(k1, exp2_ps(_mm512_fmsub_ps(vc, _mm512_maskz_loadu_ps(k1, S + j + 16), vs)));
+    sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
+    _mm512_storeu_si512(P + j, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+  }
+  *l += _mm512_reduce_add_ps(sum);
+}
+
+void t3d__attn_amx_fwd(const t3d__attn_problem *p, int64_t begin, int64_t end, void *scratch) {
+  const int64_t D = p->D, DP = pad32(D), DO = pad16(D), LV = ldvw(D);
+  const int64_t LDS = BK + 16, LDP = BK + 32, LDO = DO + 16;
+  const float c = p->scale * LOG2E;
+
+  uint16_t *Qb = (uint16_t *)scratch;                 /* BQ x DP */
+  float *S = (float *)(Qb + BQ * ATTN_DMAX);           /* BQ x LDS */
+  uint16_t *Pb = (uint16_t *)(S + BQ * LDS);           /* BQ x LDP */
+  float *O = (float *)(Pb + BQ * LDP);                 /* BQ x LDO */
+  float *m2 = O + BQ * (ATTN_DMAX + 16);
+  float *l = m2 + BQ;
+  uint32_t *Kp = (uint32_t *)(l + BQ);                 /* own packing when there is no shared one */
+  uint32_t *Vp = Kp + kwords(ATTN_DMAX);
+
+  amx_begin();
+  for (int64_t t = begin; t < end; t++) {
+    const int64_t bh = t / p->nqb, z = t % p->nqb;
+    const int64_t qb = (z & 1) ? p->nqb - 1 - z / 2 : z / 2;
+    const int64_t b = bh / p->Hq, h = bh % p->Hq, kvh = h / p->group;
+    const int64_t q0 = qb * BQ, mq = min64(BQ, p->Sq - q0), mq16 = pad16(mq);
+    const int64_t qrow0 = bh * p->Sq + q0;
+    const int64_t unit = b * p->Hkv + kvh;
+    int64_t kend = p->Sk;
+    if (p->causal) kend = max64(0, min64(p->Sk, p->q_start + q0 + mq - p->k_start));
+
+    const uint16_t *qs = (const uint16_t *)p->q + qrow0 * D;
+    for (int64_t i = 0; i < mq16; i++) {
+      uint16_t *dst = Qb + i * DP;
+      if (i < mq) {
+        memcpy(dst, qs + i * D, 2 * (size_t)D);
+        memset(dst + D, 0, 2 * (size_t)(DP - D));
+      } else {
+        memset(dst, 0, 2 * (size_t)DP);
+        memset(Pb + i * LDP, 0, 2 * (size_t)BK);
+      }
+      memset(O + i * LDO, 0, 4 * (size_t)DO);
+      m2[i] = -INFINITY;
+      l[i] = 0.0f;
+    }
+
+    for (int64_t k0 = 0; k0 < kend; k0 += BK) {
+      const int64_t nkv = min64(BK, kend - k0), n32 = pad32(nkv);
+      const uint32_t *Kb = Kp, *Vb = Vp;
+      if (p->kvpack) {
+        Kb = (const uint32_t *)(p->kvpack + (unit * p->nkb + k0 / BK) * p->kvpack_bytes);
+        Vb = Kb + kwords(D);
+      } else {
+        pack_block(p, unit * p->Sk + k0, min64(BK, p->Sk - k0), Kp, Vp);
+      }
+      amx_gemm((int)(mq16 / 16), (int)(pad16(nkv) / 16), (int)(DP / 32), Qb, 2 * DP, Kb, 4 * LDKW, S, 4 * LDS, 0);
+      const int64_t diag = p->q_start + q0 - (p->k_start + k0) + 1; /* keys row 0 sees, when causal */
+      for (int64_t i = 0; i < mq; i++) {
+        const int64_t vis = p->causal ? min64(nkv, diag + i) : nkv;
+        softmax_row(S + i * LDS, vis, n32, c, m2 + i, l + i, O + i * LDO, DO, Pb + i * LDP);
+      }
+      amx_gemm((int)(mq16 / 16), (int)(DO / 16), (int)(n32 / 32), Pb, 2 * LDP, Vb, 4 * LV, O, 4 * LDO, 1);
+    }
+
+    for (int64_t i = 0; i < mq; i++) {
+      uint16_t *dst = (uint16_t *)p->out + (qrow0 + i) * D;
+      if (l[i] > 0.0f) {
+        store_bf16_row(dst, O + i * LDO, D, 1.0f / l[i]);
+        p->lse[qrow0 + i] = (m2[i] + log2f(l[i])) * LN2;
+      } else {
+        memset(dst, 0, 2 * (size_t)D);
+        p->lse[qrow0 + i] = -INFINITY;
+      }
+    }
+  }
+  _tile_release();
+}
+
+/* ---------------------------------------------------------------- backward */
+
+void t3d__attn_amx_bwd(const t3d__attn_problem *p, int64_t begin, int64_t end, void *scratch) {
+  t3d__attn_ops_avx512.bwd(p, begin, end, scratch);
+}
