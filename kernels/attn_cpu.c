@@ -254,6 +254,13 @@ static void pack_job(void *ctx, int64_t begin, int64_t end, void *scratch) {
   j->ops->fwd_pack(&j->p, begin, end, scratch);
 }
 
+#if defined(T3D_ATTN_HAVE_AMX)
+static void bwd_qpack_job(void *ctx, int64_t begin, int64_t end, void *scratch) {
+  attn_job *j = (attn_job *)ctx;
+  t3d__attn_amx_bwd_pack(&j->p, begin, end, scratch);
+}
+#endif
+
 static void bwd_job(void *ctx, int64_t begin, int64_t end, void *scratch) {
   attn_job *j = (attn_job *)ctx;
   j->ops->bwd(&j->p, begin, end, scratch);
@@ -451,8 +458,21 @@ int t3d_attn_backward(t3d_attn_dtype_t dtype, const void *dout, const void *q, c
 
   const int64_t row_tasks = (nq + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
   rc = run_tasks(exec, row_tasks, bwd_prep_job, &j, 0);
+#if defined(T3D_ATTN_HAVE_AMX)
+  unsigned char *qpack = NULL;
+  if (!rc && j.ops == &amx_ops && p->nkb > 0 && nq > 0) {
+    p->bwd_qpack_bytes = t3d__attn_amx_bwd_qbytes(p);
+    qpack = (unsigned char *)scratch_alloc((size_t)(batch * q_heads * p->bwd_qpack_bytes));
+    if (!qpack) rc = T3D_ATTN_ERR_NO_MEMORY;
+    p->bwd_qpack = qpack;
+    if (!rc) rc = run_tasks(exec, batch * q_heads, bwd_qpack_job, &j, 0);
+  }
+#endif
   if (!rc && p->nkb > 0) rc = run_tasks(exec, units * slabs, bwd_job, &j, ATTN_SCRATCH_FLOATS * sizeof(float));
   if (!rc) rc = run_tasks(exec, row_tasks, bwd_finish_job, &j, 0);
+#if defined(T3D_ATTN_HAVE_AMX)
+  free(qpack);
+#endif
   free(delta);
   free(owned);
   return rc;

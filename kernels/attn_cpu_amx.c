@@ -82,7 +82,7 @@ static void amx_begin(void) {
       _tile_zero(t);                   \
   } while (0)
 
-static void amx_gemm(int mt, int nt, int kt, const void *A, int64_t lda, const void *B, int64_t ldb, float *C,
+static __attribute__((noinline)) void amx_gemm(int mt, int nt, int kt, const void *A, int64_t lda, const void *B, int64_t ldb, float *C,
                      int64_t ldc, int acc) {
   const char *a = (const char *)A, *b = (const char *)B;
   char *c = (char *)C;
@@ -256,7 +256,7 @@ void t3d__attn_amx_fwd_pack(const t3d__attn_problem *p, int64_t begin, int64_t e
 
 /* Softmax of one score row against the running state, written to P as bfloat16: columns [0, vis) are visible,
  * [vis, n32) become zeros. Rescales the accumulator row O (DO floats) when the maximum moves. */
-static inline void softmax_row(const float *S, int64_t vis, int64_t n32, float c, float *m2, float *l, float *O,
+static __attribute__((noinline)) void softmax_row(const float *S, int64_t vis, int64_t n32, float c, float *m2, float *l, float *O,
                                int64_t DO, uint16_t *P) {
   if (vis <= 0) {
     memset(P, 0, 2 * (size_t)n32);
@@ -357,6 +357,195 @@ void t3d__attn_amx_fwd(const t3d__attn_problem *p, int64_t begin, int64_t end, v
 
 /* ---------------------------------------------------------------- backward */
 
+/* Per (batch, q head), written by the pre-pass: Q and dO zero-padded to [SQP x DP] (A of S = Q K^T and dP = dO V^T),
+ * and transposed, [DO x SQP] (A of dK^T = Q^T dS and dV^T = dO^T P). SQP = Sq rounded up to the query block. */
+static inline int64_t bwd_sqp(const t3d__attn_problem *p) { return (p->Sq + ATTN_BWD_BQ - 1) / ATTN_BWD_BQ * ATTN_BWD_BQ; }
+
+int64_t t3d__attn_amx_bwd_qbytes(const t3d__attn_problem *p) {
+  return 2 * bwd_sqp(p) * (2 * pad32(p->D) + 2 * pad16(p->D));
+}
+
+void t3d__attn_amx_bwd_pack(const t3d__attn_problem *p, int64_t begin, int64_t end, void *scratch) {
+  (void)scratch;
+  const int64_t D = p->D, DP = pad32(D), DO = pad16(D), SQP = bwd_sqp(p), Sq = p->Sq;
+  for (int64_t bh = begin; bh < end; bh++) {
+    uint16_t *Qp = (uint16_t *)(p->bwd_qpack + bh * p->bwd_qpack_bytes);
+    uint16_t *dOp = Qp + SQP * DP, *QT = dOp + SQP * DP, *dOT = QT + DO * SQP;
+    const uint16_t *srcs[2] = {(const uint16_t *)p->q + bh * Sq * D, (const uint16_t *)p->dout + bh * Sq * D};
+    uint16_t *rows[2] = {Qp, dOp}, *cols[2] = {QT, dOT};
+    for (int w = 0; w < 2; w++) {
+      const uint16_t *src = srcs[w];
+      for (int64_t i = 0; i < SQP; i++) {
+        uint16_t *dst = rows[w] + i * DP;
+        if (i < Sq) {
+          memcpy(dst, src + i * D, 2 * (size_t)D);
+          memset(dst + D, 0, 2 * (size_t)(DP - D));
+        } else {
+          memset(dst, 0, 2 * (size_t)DP);
+        }
+      }
+      uint16_t *T = cols[w];
+      memset(T, 0, 2 * (size_t)(DO * SQP));
+      for (int64_t i0 = 0; i0 < Sq; i0 += 32) {
+        const int64_t ni = min64(32, Sq - i0);
+        for (int64_t d = 0; d < D; d++) {
+          uint16_t *dst = T + d * SQP + i0;
+          for (int64_t i = 0; i < ni; i++) dst[i] = src[(i0 + i) * D + d];
+        }
+      }
+    }
+  }
+}
+
+enum { BQB = ATTN_BWD_BQ, BKB = ATTN_BWD_BK };
+#define LDKB ((int64_t)BKB + 16) /* words per row of the K^T / V^T pair packs, floats per row of S, dP, dK^T, dV^T */
+
+/* Key-side packs of one key block (nk keys from row r0): K^T and V^T in pairs along D ([DP / 2] rows of LDKB
+ * words), and K in pairs along the keys ([BKB / 2] rows of ldvw(D) words); zero padded. */
+static void bwd_pack_keys(const t3d__attn_problem *p, int64_t r0, int64_t nk, uint32_t *KT, uint32_t *VT,
+                          uint32_t *Kk) {
+  const int64_t D = p->D, DP = pad32(D), DO = pad16(D), LV = ldvw(D);
+  const uint16_t *srcs[2] = {(const uint16_t *)p->k + r0 * D, (const uint16_t *)p->v + r0 * D};
+  uint32_t *dsts[2] = {KT, VT};
+  for (int w = 0; w < 2; w++) {
+    const uint16_t *src = srcs[w];
+    for (int64_t pp = 0; pp < DP / 2; pp++) {
+      uint32_t *dst = dsts[w] + pp * LDKB;
+      const int64_t d0 = 2 * pp;
+      if (d0 + 1 < D) {
+        for (int64_t j = 0; j < nk; j++) memcpy(dst + j, src + j * D + d0, 4);
+      } else if (d0 < D) {
+        for (int64_t j = 0; j < nk; j++) dst[j] = src[j * D + d0];
+      } else {
+        memset(dst, 0, 4 * (size_t)nk);
+      }
+      memset(dst + nk, 0, 4 * (size_t)(BKB - nk));
+    }
+  }
+  const uint16_t *ks = srcs[0];
+  for (int64_t j2 = 0; j2 < BKB / 2; j2++) {
+    uint32_t *dst = Kk + j2 * LV;
+    const int64_t j = 2 * j2;
+    for (int64_t d = 0; d < D; d++) {
+      const uint32_t lo = j < nk ? ks[j * D + d] : 0, hi = j + 1 < nk ? ks[(j + 1) * D + d] : 0;
+      dst[d] = lo | (hi << 16);
+    }
+    for (int64_t d = D; d < DO; d++) dst[d] = 0;
+  }
+}
+
+/* Interleaves the bfloat16 roundings of two rows: word j = (a[j], b[j]). */
+static inline __m512i pair_bf16(__m512 a, __m512 b) {
+  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                       21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  return _mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+}
+
 void t3d__attn_amx_bwd(const t3d__attn_problem *p, int64_t begin, int64_t end, void *scratch) {
-  t3d__attn_ops_avx512.bwd(p, begin, end, scratch);
+  const int64_t D = p->D, DP = pad32(D), DO = pad16(D), LV = ldvw(D), SQP = bwd_sqp(p);
+  const int64_t LDSB = BKB + 32; /* bfloat16 per row of dS */
+  const float c = p->scale * LOG2E;
+
+  uint32_t *KT = (uint32_t *)scratch;     /* DP/2 x LDKB */
+  uint32_t *VT = KT + ATTN_DMAX / 2 * LDKB; /* DP/2 x LDKB */
+  uint32_t *Kk = VT + ATTN_DMAX / 2 * LDKB; /* BKB/2 x LV */
+  float *S = (float *)(Kk + BKB / 2 * (ATTN_DMAX + 32)); /* BQB x LDKB */
+  float *dP = S + BQB * LDKB;                            /* BQB x LDKB */
+  uint16_t *dSb = (uint16_t *)(dP + BQB * LDKB);         /* BQB x LDSB */
+  uint32_t *Pw = (uint32_t *)(dSb + BQB * LDSB);         /* BQB/2 x LDKB */
+  uint32_t *dSw = Pw + BQB / 2 * LDKB;                   /* BQB/2 x LDKB */
+  float *dKt = (float *)(dSw + BQB / 2 * LDKB);          /* DO x LDKB */
+  float *dVt = dKt + (ATTN_DMAX + 16) * LDKB;            /* DO x LDKB */
+  float *dQ = dVt + (ATTN_DMAX + 16) * LDKB;             /* BQB x (DO + 16) */
+  const int64_t LDQ = DO + 16;
+
+  const int64_t nrows_q = p->B * p->Hq * p->Sq;
+  amx_begin();
+  for (int64_t t = begin; t < end; t++) {
+    const int64_t unit = t / p->slabs, s = t % p->slabs;
+    const int64_t b = unit / p->Hkv, kvh = unit % p->Hkv;
+    const int64_t krow0 = unit * p->Sk;
+    float *dq_acc = p->dq_acc + s * nrows_q * D;
+
+    for (int64_t kb = s; kb < p->nkb; kb += p->slabs) {
+      const int64_t k0 = kb * BKB, nk = min64(BKB, p->Sk - k0), nk16 = pad16(nk), nk32 = pad32(nk);
+      bwd_pack_keys(p, krow0 + k0, nk, KT, VT, Kk);
+      memset(dKt, 0, 4 * (size_t)(DO * LDKB));
+      memset(dVt, 0, 4 * (size_t)(DO * LDKB));
+
+      int64_t qfirst = 0;
+      if (p->causal) qfirst = max64(0, p->k_start + k0 - p->q_start);
+      for (int64_t hh = 0; hh < p->group && qfirst < p->Sq; hh++) {
+        const int64_t bh = b * p->Hq + kvh * p->group + hh;
+        const int64_t rowbase = bh * p->Sq;
+        const uint16_t *Qp = (const uint16_t *)(p->bwd_qpack + bh * p->bwd_qpack_bytes);
+        const uint16_t *dOp = Qp + SQP * DP, *QT = dOp + SQP * DP, *dOT = QT + DO * SQP;
+        for (int64_t q0 = (qfirst / BQB) * BQB; q0 < p->Sq; q0 += BQB) {
+          const int64_t mq = min64(BQB, p->Sq - q0), mq16 = pad16(mq), mq32 = pad32(mq);
+          amx_gemm((int)(mq16 / 16), (int)(nk16 / 16), (int)(DP / 32), Qp + q0 * DP, 2 * DP, KT, 4 * LDKB, S,
+                   4 * LDKB, 0);
+          amx_gemm((int)(mq16 / 16), (int)(nk16 / 16), (int)(DP / 32), dOp + q0 * DP, 2 * DP, VT, 4 * LDKB, dP,
+                   4 * LDKB, 0);
+          /* P = exp(scale S - lse), dS = P (dP - delta), rows in pairs; rows past mq and keys past the visible
+           * ones are zeros. */
+          const int64_t diag = p->q_start + q0 - (p->k_start + k0) + 1;
+          for (int64_t i = 0; i < mq32; i += 2) {
+            __m512 pr[2][4], dr[2][4];
+            for (int r = 0; r < 2; r++) {
+              const int64_t ii = i + r;
+              float L = -INFINITY, Di = 0.0f;
+              if (ii < mq) {
+                L = p->lse_in[rowbase + q0 + ii];
+                Di = p->delta[rowbase + q0 + ii];
+              }
+              int64_t vis = p->causal ? min64(nk, diag + ii) : nk;
+              if (ii >= mq || L == -INFINITY || L != L) vis = 0;
+              const __m512 vc = _mm512_set1_ps(c), vl = _mm512_set1_ps(L * LOG2E), vd = _mm512_set1_ps(Di);
+              for (int v = 0; v < 4; v++) {
+                const int64_t j = 16 * v;
+                const __mmask16 mk = mask16(vis - j);
+                if (j >= nk32) break;
+                const __m512 sv = _mm512_maskz_loadu_ps(mk, S + ii * LDKB + j);
+                const __m512 pv = _mm512_maskz_mov_ps(mk, exp2_ps(_mm512_fmsub_ps(vc, sv, vl)));
+                const __m512 dpv = _mm512_maskz_loadu_ps(mk, dP + ii * LDKB + j);
+                pr[r][v] = pv;
+                dr[r][v] = _mm512_mul_ps(pv, _mm512_sub_ps(dpv, vd));
+              }
+            }
+            for (int v = 0; v < 4 && 16 * v < nk32; v++) {
+              const int64_t j = 16 * v;
+              _mm512_storeu_si512(Pw + (i / 2) * LDKB + j, pair_bf16(pr[0][v], pr[1][v]));
+              _mm512_storeu_si512(dSw + (i / 2) * LDKB + j, pair_bf16(dr[0][v], dr[1][v]));
+              _mm256_storeu_si256((__m256i *)(dSb + i * LDSB + j), (__m256i)_mm512_cvtneps_pbh(dr[0][v]));
+              _mm256_storeu_si256((__m256i *)(dSb + (i + 1) * LDSB + j), (__m256i)_mm512_cvtneps_pbh(dr[1][v]));
+            }
+          }
+          /* dV^T += dO^T P, dK^T += Q^T dS (unscaled), dQ = dS K into this slab's accumulator. */
+          amx_gemm((int)(DO / 16), (int)(nk16 / 16), (int)(mq32 / 32), dOT + q0, 2 * SQP, Pw, 4 * LDKB, dVt,
+                   4 * LDKB, 1);
+          amx_gemm((int)(DO / 16), (int)(nk16 / 16), (int)(mq32 / 32), QT + q0, 2 * SQP, dSw, 4 * LDKB, dKt,
+                   4 * LDKB, 1);
+          amx_gemm((int)(mq16 / 16), (int)(DO / 16), (int)(nk32 / 32), dSb, 2 * LDSB, Kk, 4 * LV, dQ, 4 * LDQ, 0);
+          for (int64_t i = 0; i < mq; i++) {
+            float *acc = dq_acc + (rowbase + q0 + i) * D;
+            const float *x = dQ + i * LDQ;
+            for (int64_t d = 0; d < D; d += 16) {
+              const __mmask16 mk = mask16(D - d);
+              _mm512_mask_storeu_ps(acc + d, mk,
+                                    _mm512_add_ps(_mm512_maskz_loadu_ps(mk, acc + d), _mm512_maskz_loadu_ps(mk, x + d)));
+            }
+          }
+        }
+      }
+      /* dK = scale dK^T^T, dV = dV^T^T, in bfloat16. */
+      for (int64_t j = 0; j < nk; j++) {
+        uint16_t *dk = (uint16_t *)p->dk + (krow0 + k0 + j) * D, *dv = (uint16_t *)p->dv + (krow0 + k0 + j) * D;
+        for (int64_t d = 0; d < D; d++) {
+          dk[d] = t3d__f32_to_bf16(dKt[d * LDKB + j] * p->scale);
+          dv[d] = t3d__f32_to_bf16(dVt[d * LDKB + j]);
+        }
+      }
+    }
+  }
+  _tile_release();
 }

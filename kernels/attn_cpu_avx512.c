@@ -10,23 +10,27 @@
 
 static inline __mmask16 tail_mask16(int r) { return r >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << r) - 1u); }
 
-/* C[MR x 16 NV] (+)= A[MR x k] B[k x 16 NV]; the last vector of the tile is masked by lastm. */
+/* C[MR x 16 NV] (+)= A[MR x k] B[k x 16 NV], float32, A element (r, p) at A[r sar + p sap] (sap = 1: A row-major;
+ * sar = 1: A stored transposed). The last vector of the tile is masked by lastm. Up to 8 x 3 accumulators: per
+ * step 3 vector loads and 8 broadcasts feed 24 FMAs, and a 48-column panel of B (k x 192 bytes) stays in L1 while
+ * the row blocks walk down A. */
 static inline __attribute__((always_inline)) void tile_f32(const int MR, const int NV, __mmask16 lastm, int k,
-                                                           const float *A, int lda, const float *B, int ldb,
-                                                           float *C, int ldc, int acc) {
-  __m512 c[4][4];
+                                                           const float *A, int64_t sar, int64_t sap,
+                                                           const float *B, int ldb, float *C, int ldc, int acc) {
+  __m512 c[8][3];
   for (int r = 0; r < MR; r++)
     for (int v = 0; v < NV; v++) {
       const __mmask16 mk = v == NV - 1 ? lastm : (__mmask16)0xffff;
       c[r][v] = acc ? _mm512_maskz_loadu_ps(mk, C + (int64_t)r * ldc + 16 * v) : _mm512_setzero_ps();
     }
-  for (int p = 0; p < k; p++) {
-    __m512 bv[4];
-    const float *Bp = B + (int64_t)p * ldb;
+  const float *Ap = A;
+  const float *Bp = B;
+  for (int p = 0; p < k; p++, Ap += sap, Bp += ldb) {
+    __m512 bv[3];
     for (int v = 0; v < NV; v++)
       bv[v] = v == NV - 1 ? _mm512_maskz_loadu_ps(lastm, Bp + 16 * v) : _mm512_loadu_ps(Bp + 16 * v);
     for (int r = 0; r < MR; r++) {
-      const __m512 a = _mm512_set1_ps(A[(int64_t)r * lda + p]);
+      const __m512 a = _mm512_set1_ps(Ap[r * sar]);
       for (int v = 0; v < NV; v++) c[r][v] = _mm512_fmadd_ps(a, bv[v], c[r][v]);
     }
   }
@@ -35,6 +39,51 @@ static inline __attribute__((always_inline)) void tile_f32(const int MR, const i
       const __mmask16 mk = v == NV - 1 ? lastm : (__mmask16)0xffff;
       _mm512_mask_storeu_ps(C + (int64_t)r * ldc + 16 * v, mk, c[r][v]);
     }
+}
+
+#define TILE_ROWS(NV, ...)                     \
+  switch (mr) {                                \
+    case 1: tile_f32(1, NV, __VA_ARGS__); break; \
+    case 2: tile_f32(2, NV, __VA_ARGS__); break; \
+    case 3: tile_f32(3, NV, __VA_ARGS__); break; \
+    case 4: tile_f32(4, NV, __VA_ARGS__); break; \
+    case 5: tile_f32(5, NV, __VA_ARGS__); break; \
+    case 6: tile_f32(6, NV, __VA_ARGS__); break; \
+    case 7: tile_f32(7, NV, __VA_ARGS__); break; \
+    default: tile_f32(8, NV, __VA_ARGS__); break; \
+  }
+
+/* C (+)= A B with A element (i, p) at A[i sar + p sap]. */
+static void gemm_strided(int m, int n, int k, const float *A, int64_t sar, int64_t sap, const float *B, int ldb,
+                         float *C, int ldc, int acc) {
+  for (int j = 0; j < n; j += 48) {
+    const int nv = (n - j) >= 48 ? 3 : (n - j + 15) / 16;
+    const __mmask16 lastm = tail_mask16(n - j - 16 * (nv - 1));
+    for (int i = 0; i < m; i += 8) {
+      const int mr = m - i >= 8 ? 8 : m - i;
+      const float *Ai = A + (int64_t)i * sar;
+      float *Ci = C + (int64_t)i * ldc + j;
+      if (nv == 3) {
+        TILE_ROWS(3, lastm, k, Ai, sar, sap, B + j, ldb, Ci, ldc, acc)
+      } else if (nv == 2) {
+        TILE_ROWS(2, lastm, k, Ai, sar, sap, B + j, ldb, Ci, ldc, acc)
+      } else {
+        TILE_ROWS(1, lastm, k, Ai, sar, sap, B + j, ldb, Ci, ldc, acc)
+      }
+    }
+  }
+}
+
+static void mk_gemm(int m, int n, int k, const float *A, int lda, const float *B, int ldb, float *C, int ldc,
+                    int acc) {
+  gemm_strided(m, n, k, A, lda, 1, B, ldb, C, ldc, acc);
+}
+
+/* C[m x n] (+)= A^T B with A stored [k x m] (leading dimension lda). */
+#define ATTN_HAS_GEMM_AT 1
+static void mk_gemm_at(int m, int n, int k, const float *A, int lda, const float *B, int ldb, float *C, int ldc,
+                       int acc) {
+  gemm_strided(m, n, k, A, 1, lda, B, ldb, C, ldc, acc);
 }
 
 #define TILE_CASES(FN, ...)                                                                                        \
@@ -56,18 +105,6 @@ static inline __attribute__((always_inline)) void tile_f32(const int MR, const i
     case 14: FN(4, 3, __VA_ARGS__); break;                                                                       \
     default: FN(4, 4, __VA_ARGS__); break;                                                                       \
   }
-
-static void mk_gemm(int m, int n, int k, const float *A, int lda, const float *B, int ldb, float *C, int ldc,
-                    int acc) {
-  for (int j = 0; j < n; j += 64) {
-    const int nv = (n - j) >= 64 ? 4 : (n - j + 15) / 16;
-    const __mmask16 lastm = tail_mask16(n - j - 16 * (nv - 1));
-    for (int i = 0; i < m; i += 4) {
-      const int mr = m - i >= 4 ? 4 : m - i;
-      TILE_CASES(tile_f32, lastm, k, A + (int64_t)i * lda, lda, B + j, ldb, C + (int64_t)i * ldc + j, ldc, acc)
-    }
-  }
-}
 
 #define BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma")))
 

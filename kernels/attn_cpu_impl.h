@@ -4,6 +4,8 @@
  *
  * Microkernel contracts (row-major, leading dimensions in elements):
  *   mk_gemm(m, n, k, A, lda, B, ldb, C, ldc, acc): C[m x n] (+)= A[m x k] B[k x n], float32.
+ *   mk_gemm_at(m, n, k, A, lda, ...) (optional, announced by ATTN_HAS_GEMM_AT): the same with A stored transposed,
+ *     [k x m]; without it the backward transposes P and dS first.
  *   mk_gemm_bf16(m, n, kp, A, lda, B, ldb, C, ldc, acc): the same with A bfloat16 [m x 2kp] and B bfloat16 packed in
  *     pairs, B[(p * ldb + j) * 2 + e] = B_logical[2p + e][j], so one 32-bit lane holds the pair vdpbf16ps multiplies.
  *   mk_rowmax(x, n): max of x[0..n), -inf for n == 0 or all -inf.
@@ -319,6 +321,12 @@ static void ATTN_SUFFIX(bwd)(const t3d__attn_problem *p, int64_t begin, int64_t 
             const float Di = p->delta[rowbase + q0 + i];
             for (int64_t j = 0; j < nk; j++) dPi[j] = Si[j] * (dPi[j] - Di);
           }
+#if defined(ATTN_HAS_GEMM_AT)
+          (void)Pt;
+          (void)dSt;
+          mk_gemm_at((int)nk, (int)D, (int)mq, S, BK, dOa, (int)D, dV, (int)D, 1);
+          mk_gemm_at((int)nk, (int)D, (int)mq, dP, BK, Qa, (int)D, dK, (int)D, 1);
+#else
           for (int64_t i = 0; i < mq; i++)
             for (int64_t j = 0; j < nk; j++) {
               Pt[j * BQ + i] = S[i * BK + j];
@@ -326,6 +334,7 @@ static void ATTN_SUFFIX(bwd)(const t3d__attn_problem *p, int64_t begin, int64_t 
             }
           mk_gemm((int)nk, (int)D, (int)mq, Pt, BQ, dOa, (int)D, dV, (int)D, 1);
           mk_gemm((int)nk, (int)D, (int)mq, dSt, BQ, Qa, (int)D, dK, (int)D, 1);
+#endif
           mk_gemm((int)mq, (int)D, (int)nk, dP, BK, Ka, (int)D, dq_acc + (rowbase + q0) * D, (int)D, 1);
         }
       }

@@ -55,6 +55,9 @@ typedef struct t3d__attn_problem {
    * block (b * Hkv + kvh) * nkb + kb at kvpack + that index * kvpack_bytes, K^T then V. */
   unsigned char *kvpack;
   int64_t kvpack_bytes;
+  /* backward, AMX path: per (batch, q head) query-side packs made by a pre-pass, bwd_qpack_bytes each */
+  unsigned char *bwd_qpack;
+  int64_t bwd_qpack_bytes;
 } t3d__attn_problem;
 
 /* Per-ISA driver entry points. task ranges index the pass's task list; scratch is per thread, scratch_bytes big. */
@@ -76,6 +79,9 @@ int64_t t3d__attn_amx_fwd_block_bytes(int64_t D);
 void t3d__attn_amx_fwd(const t3d__attn_problem *p, int64_t begin, int64_t end, void *scratch);
 void t3d__attn_amx_fwd_pack(const t3d__attn_problem *p, int64_t begin, int64_t end, void *scratch);
 void t3d__attn_amx_bwd(const t3d__attn_problem *p, int64_t begin, int64_t end, void *scratch);
+/* backward pre-pass over (batch, q head) [begin, end): bwd_qpack, t3d__attn_amx_bwd_qbytes(p) bytes each */
+int64_t t3d__attn_amx_bwd_qbytes(const t3d__attn_problem *p);
+void t3d__attn_amx_bwd_pack(const t3d__attn_problem *p, int64_t begin, int64_t end, void *scratch);
 
 /* Generous per-thread scratch for either pass (floats), sized for ATTN_DMAX. */
 #define ATTN_SCRATCH_FLOATS                                                                                      \
