@@ -358,19 +358,25 @@ void t3d__attn_amx_fwd(const t3d__attn_problem *p, int64_t begin, int64_t end, v
 /* ---------------------------------------------------------------- backward */
 
 /* Per (batch, q head), written by the pre-pass: Q and dO zero-padded to [SQP x DP] (A of S = Q K^T and dP = dO V^T),
- * and transposed, [DO x SQP] (A of dK^T = Q^T dS and dV^T = dO^T P). SQP = Sq rounded up to the query block. */
-static inline int64_t bwd_sqp(const t3d__attn_problem *p) { return (p->Sq + ATTN_BWD_BQ - 1) / ATTN_BWD_BQ * ATTN_BWD_BQ; }
+ * and transposed, [DO x LQT] (A of dK^T = Q^T dS and dV^T = dO^T P). SQP = Sq rounded up to the query block. */
+/* The backward walks the queries BQB at a time (S and dP stay in L1) and runs the dK^T / dV^T products once per
+ * QCH queries, so their accumulator tiles are loaded and stored once per 16 tile steps. */
+enum { BQB = 64, BKB = ATTN_BWD_BK, QCH = 512 };
+static inline int64_t bwd_sqp(const t3d__attn_problem *p) { return (p->Sq + BQB - 1) / BQB * BQB; }
+/* Row stride of the transposed packs: 64 bytes past the padded length, so the 16 rows of a tile do not land in one
+ * L1 set when SQP is a multiple of 2048. */
+static inline int64_t bwd_lqt(const t3d__attn_problem *p) { return bwd_sqp(p) + 32; }
 
 int64_t t3d__attn_amx_bwd_qbytes(const t3d__attn_problem *p) {
-  return 2 * bwd_sqp(p) * (2 * pad32(p->D) + 2 * pad16(p->D));
+  return 2 * (bwd_sqp(p) * 2 * pad32(p->D) + bwd_lqt(p) * 2 * pad16(p->D));
 }
 
 void t3d__attn_amx_bwd_pack(const t3d__attn_problem *p, int64_t begin, int64_t end, void *scratch) {
   (void)scratch;
-  const int64_t D = p->D, DP = pad32(D), DO = pad16(D), SQP = bwd_sqp(p), Sq = p->Sq;
+  const int64_t D = p->D, DP = pad32(D), DO = pad16(D), SQP = bwd_sqp(p), LQT = bwd_lqt(p), Sq = p->Sq;
   for (int64_t bh = begin; bh < end; bh++) {
     uint16_t *Qp = (uint16_t *)(p->bwd_qpack + bh * p->bwd_qpack_bytes);
-    uint16_t *dOp = Qp + SQP * DP, *QT = dOp + SQP * DP, *dOT = QT + DO * SQP;
+    uint16_t *dOp = Qp + SQP * DP, *QT = dOp + SQP * DP, *dOT = QT + DO * LQT;
     const uint16_t *srcs[2] = {(const uint16_t *)p->q + bh * Sq * D, (const uint16_t *)p->dout + bh * Sq * D};
     uint16_t *rows[2] = {Qp, dOp}, *cols[2] = {QT, dOT};
     for (int w = 0; w < 2; w++) {
@@ -385,11 +391,11 @@ void t3d__attn_amx_bwd_pack(const t3d__attn_problem *p, int64_t begin, int64_t e
         }
       }
       uint16_t *T = cols[w];
-      memset(T, 0, 2 * (size_t)(DO * SQP));
+      memset(T, 0, 2 * (size_t)(DO * LQT));
       for (int64_t i0 = 0; i0 < Sq; i0 += 32) {
         const int64_t ni = min64(32, Sq - i0);
         for (int64_t d = 0; d < D; d++) {
-          uint16_t *dst = T + d * SQP + i0;
+          uint16_t *dst = T + d * LQT + i0;
           for (int64_t i = 0; i < ni; i++) dst[i] = src[(i0 + i) * D + d];
         }
       }
@@ -397,7 +403,6 @@ void t3d__attn_amx_bwd_pack(const t3d__attn_problem *p, int64_t begin, int64_t e
   }
 }
 
-enum { BQB = ATTN_BWD_BQ, BKB = ATTN_BWD_BK };
 #define LDKB ((int64_t)BKB + 16) /* words per row of the K^T / V^T pair packs, floats per row of S, dP, dK^T, dV^T */
 
 /* Key-side packs of one key block (nk keys from row r0): K^T and V^T in pairs along D ([DP / 2] rows of LDKB
@@ -442,7 +447,7 @@ static inline __m512i pair_bf16(__m512 a, __m512 b) {
 }
 
 void t3d__attn_amx_bwd(const t3d__attn_problem *p, int64_t begin, int64_t end, void *scratch) {
-  const int64_t D = p->D, DP = pad32(D), DO = pad16(D), LV = ldvw(D), SQP = bwd_sqp(p);
+  const int64_t D = p->D, DP = pad32(D), DO = pad16(D), LV = ldvw(D), SQP = bwd_sqp(p), LQT = bwd_lqt(p);
   const int64_t LDSB = BKB + 32; /* bfloat16 per row of dS */
   const float c = p->scale * LOG2E;
 
@@ -452,9 +457,9 @@ void t3d__attn_amx_bwd(const t3d__attn_problem *p, int64_t begin, int64_t end, v
   float *S = (float *)(Kk + BKB / 2 * (ATTN_DMAX + 32)); /* BQB x LDKB */
   float *dP = S + BQB * LDKB;                            /* BQB x LDKB */
   uint16_t *dSb = (uint16_t *)(dP + BQB * LDKB);         /* BQB x LDSB */
-  uint32_t *Pw = (uint32_t *)(dSb + BQB * LDSB);         /* BQB/2 x LDKB */
-  uint32_t *dSw = Pw + BQB / 2 * LDKB;                   /* BQB/2 x LDKB */
-  float *dKt = (float *)(dSw + BQB / 2 * LDKB);          /* DO x LDKB */
+  uint32_t *Pw = (uint32_t *)(dSb + BQB * LDSB);         /* QCH/2 x LDKB */
+  uint32_t *dSw = Pw + QCH / 2 * LDKB;                   /* QCH/2 x LDKB */
+  float *dKt = (float *)(dSw + QCH / 2 * LDKB);          /* DO x LDKB */
   float *dVt = dKt + (ATTN_DMAX + 16) * LDKB;            /* DO x LDKB */
   float *dQ = dVt + (ATTN_DMAX + 16) * LDKB;             /* BQB x (DO + 16) */
   const int64_t LDQ = DO + 16;
@@ -479,9 +484,12 @@ void t3d__attn_amx_bwd(const t3d__attn_problem *p, int64_t begin, int64_t end, v
         const int64_t bh = b * p->Hq + kvh * p->group + hh;
         const int64_t rowbase = bh * p->Sq;
         const uint16_t *Qp = (const uint16_t *)(p->bwd_qpack + bh * p->bwd_qpack_bytes);
-        const uint16_t *dOp = Qp + SQP * DP, *QT = dOp + SQP * DP, *dOT = QT + DO * SQP;
-        for (int64_t q0 = (qfirst / BQB) * BQB; q0 < p->Sq; q0 += BQB) {
+        const uint16_t *dOp = Qp + SQP * DP, *QT = dOp + SQP * DP, *dOT = QT + DO * LQT;
+        const int64_t qlo = (qfirst / BQB) * BQB;
+        for (int64_t q0 = qlo; q0 < p->Sq; q0 += BQB) {
           const int64_t mq = min64(BQB, p->Sq - q0), mq16 = pad16(mq), mq32 = pad32(mq);
+          const int64_t cs = qlo + (q0 - qlo) / QCH * QCH; /* this chunk's first query */
+          uint32_t *Pwq = Pw + (q0 - cs) / 2 * LDKB, *dSwq = dSw + (q0 - cs) / 2 * LDKB;
           amx_gemm((int)(mq16 / 16), (int)(nk16 / 16), (int)(DP / 32), Qp + q0 * DP, 2 * DP, KT, 4 * LDKB, S,
                    4 * LDKB, 0);
           amx_gemm((int)(mq16 / 16), (int)(nk16 / 16), (int)(DP / 32), dOp + q0 * DP, 2 * DP, VT, 4 * LDKB, dP,
@@ -490,7 +498,7 @@ void t3d__attn_amx_bwd(const t3d__attn_problem *p, int64_t begin, int64_t end, v
            * ones are zeros. */
           const int64_t diag = p->q_start + q0 - (p->k_start + k0) + 1;
           for (int64_t i = 0; i < mq32; i += 2) {
-            __m512 pr[2][4], dr[2][4];
+            __m512 pr[2][BKB / 16], dr[2][BKB / 16];
             for (int r = 0; r < 2; r++) {
               const int64_t ii = i + r;
               float L = -INFINITY, Di = 0.0f;
@@ -501,7 +509,7 @@ void t3d__attn_amx_bwd(const t3d__attn_problem *p, int64_t begin, int64_t end, v
               int64_t vis = p->causal ? min64(nk, diag + ii) : nk;
               if (ii >= mq || L == -INFINITY || L != L) vis = 0;
               const __m512 vc = _mm512_set1_ps(c), vl = _mm512_set1_ps(L * LOG2E), vd = _mm512_set1_ps(Di);
-              for (int v = 0; v < 4; v++) {
+              for (int v = 0; v < BKB / 16; v++) {
                 const int64_t j = 16 * v;
                 const __mmask16 mk = mask16(vis - j);
                 if (j >= nk32) break;
@@ -512,28 +520,39 @@ void t3d__attn_amx_bwd(const t3d__attn_problem *p, int64_t begin, int64_t end, v
                 dr[r][v] = _mm512_mul_ps(pv, _mm512_sub_ps(dpv, vd));
               }
             }
-            for (int v = 0; v < 4 && 16 * v < nk32; v++) {
+            for (int v = 0; v < BKB / 16 && 16 * v < nk32; v++) {
               const int64_t j = 16 * v;
-              _mm512_storeu_si512(Pw + (i / 2) * LDKB + j, pair_bf16(pr[0][v], pr[1][v]));
-              _mm512_storeu_si512(dSw + (i / 2) * LDKB + j, pair_bf16(dr[0][v], dr[1][v]));
+              _mm512_storeu_si512(Pwq + (i / 2) * LDKB + j, pair_bf16(pr[0][v], pr[1][v]));
+              _mm512_storeu_si512(dSwq + (i / 2) * LDKB + j, pair_bf16(dr[0][v], dr[1][v]));
               _mm256_storeu_si256((__m256i *)(dSb + i * LDSB + j), (__m256i)_mm512_cvtneps_pbh(dr[0][v]));
               _mm256_storeu_si256((__m256i *)(dSb + (i + 1) * LDSB + j), (__m256i)_mm512_cvtneps_pbh(dr[1][v]));
             }
           }
-          /* dV^T += dO^T P, dK^T += Q^T dS (unscaled), dQ = dS K into this slab's accumulator. */
-          amx_gemm((int)(DO / 16), (int)(nk16 / 16), (int)(mq32 / 32), dOT + q0, 2 * SQP, Pw, 4 * LDKB, dVt,
-                   4 * LDKB, 1);
-          amx_gemm((int)(DO / 16), (int)(nk16 / 16), (int)(mq32 / 32), QT + q0, 2 * SQP, dSw, 4 * LDKB, dKt,
-                   4 * LDKB, 1);
-          amx_gemm((int)(mq16 / 16), (int)(DO / 16), (int)(nk32 / 32), dSb, 2 * LDSB, Kk, 4 * LV, dQ, 4 * LDQ, 0);
-          for (int64_t i = 0; i < mq; i++) {
-            float *acc = dq_acc + (rowbase + q0 + i) * D;
-            const float *x = dQ + i * LDQ;
-            for (int64_t d = 0; d < D; d += 16) {
-              const __mmask16 mk = mask16(D - d);
-              _mm512_mask_storeu_ps(acc + d, mk,
-                                    _mm512_add_ps(_mm512_maskz_loadu_ps(mk, acc + d), _mm512_maskz_loadu_ps(mk, x + d)));
+          /* dQ += dS K into this slab's accumulator: straight into its rows when whole tiles fit them, else
+           * through scratch. */
+          float *dq_rows = dq_acc + (rowbase + q0) * D;
+          if (mq == mq16 && D == DO) {
+            amx_gemm((int)(mq16 / 16), (int)(DO / 16), (int)(nk32 / 32), dSb, 2 * LDSB, Kk, 4 * LV, dq_rows, 4 * D,
+                     1);
+          } else {
+            amx_gemm((int)(mq16 / 16), (int)(DO / 16), (int)(nk32 / 32), dSb, 2 * LDSB, Kk, 4 * LV, dQ, 4 * LDQ,
+                     0);
+            for (int64_t i = 0; i < mq; i++) {
+              float *acc = dq_rows + i * D;
+              const float *x = dQ + i * LDQ;
+              for (int64_t d = 0; d < D; d += 16) {
+                const __mmask16 mk = mask16(D - d);
+                _mm512_mask_storeu_ps(acc + d, mk, _mm512_add_ps(_mm512_maskz_loadu_ps(mk, acc + d),
+                                                                 _mm512_maskz_loadu_ps(mk, x + d)));
+              }
             }
+          }
+          /* End of a chunk: dV^T += dO^T P, dK^T += Q^T dS (unscaled) over its queries (zero rows pad the last
+           * block to 32). */
+          if (q0 + BQB >= p->Sq || q0 + BQB - cs >= QCH) {
+            const int kt = (int)((q0 - cs + mq32) / 32);
+            amx_gemm((int)(DO / 16), (int)(nk16 / 16), kt, dOT + cs, 2 * LQT, Pw, 4 * LDKB, dVt, 4 * LDKB, 1);
+            amx_gemm((int)(DO / 16), (int)(nk16 / 16), kt, QT + cs, 2 * LQT, dSw, 4 * LDKB, dKt, 4 * LDKB, 1);
           }
         }
       }
