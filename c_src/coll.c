@@ -403,7 +403,57 @@ static size_t *to_bytes(const size_t *a, const size_t *b, int n, size_t esize) {
   return out;
 }
 
+/* ---------- inline start on the caller's thread ---------- */
+
+/* The element type and count the one-shot folds: complex as pairs of reals. */
+static t3d_dtype_t fold_type(const t3d_request_t *r, size_t *n) {
+  *n = r->count;
+  if (r->dtype != T3D_COMPLEX64 && r->dtype != T3D_COMPLEX128) return r->dtype;
+  *n *= 2;
+  return r->dtype == T3D_COMPLEX64 ? T3D_FLOAT32 : T3D_FLOAT64;
+}
+
+/* A small allreduce that needs no staging buffer (no half type, no PREMUL_SUM, input and output the same or
+ * apart) and fits the one-shot, when the communicator has shared memory and the half it would use is free. */
+int t3d__inline_eligible(t3d_comm_t *comm, const t3d_request_t *r) {
+  size_t bytes = r->count * t3d_dtype_size(r->dtype);
+  if (r->kind != T3D_OP_ALLREDUCE || comm->shm == NULL || comm->inline_max < 0 || bytes == 0 ||
+      bytes > (uint64_t)comm->inline_max || is_half(r->dtype) || r->op == T3D_PREMUL_SUM ||
+      atomic_load(&comm->fatal) != 0) {
+    return 0;
+  }
+  uintptr_t a = (uintptr_t)r->sendbuf, b = (uintptr_t)r->recvbuf;
+  if (a != b && a < b + bytes && b < a + bytes) return 0;
+  return t3d__shm_oneshot_fits(comm->shm, bytes);
+}
+
+static t3d_result_t finish_inline(t3d_exec_t *ex, t3d_request_t *r) {
+  size_t n;
+  t3d_dtype_t dt = fold_type(r, &n);
+  t3d_redop_t op = r->op == T3D_AVG ? T3D_SUM : r->op;
+  T3D_CHECK(t3d__shm_oneshot_finish(ex, &r->rs, r->sendbuf, r->recvbuf, n, dt, op));
+  if (r->op == T3D_AVG) t3d__divide(r->recvbuf, n, dt, ex->size);
+  return T3D_OK;
+}
+
+t3d_result_t t3d__execute_start(t3d_exec_t *ex, t3d_request_t *r) {
+  T3D_CHECK(t3d__shm_oneshot_start(ex, r->sendbuf, r->count * t3d_dtype_size(r->dtype), &r->rs));
+  /* Peers that issue at about the same time arrive within microseconds; later ones are the progress thread's
+   * business, so that the call stays non-blocking. */
+  uint64_t until = t3d__now_ns() + ex->comm->inline_wait_ns;
+  t3d_backoff_t b = {0};
+  while (!t3d__shm_oneshot_arrived(ex, &r->rs)) {
+    if (t3d__now_ns() > until) {
+      r->resume = 1;
+      return T3D_IN_PROGRESS;
+    }
+    t3d__backoff_wait(&b);
+  }
+  return finish_inline(ex, r);
+}
+
 t3d_result_t t3d__execute(t3d_exec_t *ex, t3d_request_t *r) {
+  if (r->resume) return finish_inline(ex, r);
   size_t esize = r->kind == T3D_OP_BARRIER ? 1 : t3d_dtype_size(r->dtype);
   int shm = t3d__exec_shm(ex) != NULL;
   t3d_result_t res;

@@ -72,15 +72,41 @@ t3d_result_t t3d__store_get(t3d_comm_t *comm, const char *key, void **value, siz
 
 /* ---------- waiting: spin briefly, then yield, then sleep (ranks often outnumber cores) ---------- */
 
-/* Time since the last sign of progress decides: pause-spin for ~5 us (a streaming peer answers within that), then
- * yield for ~2 ms (lets the peer run when ranks outnumber cores), then sleep in short naps. */
+/* Time since the last sign of progress decides: pause-spin for a few microseconds (a streaming peer answers within
+ * that), then yield for ~2 ms (lets the peer run when ranks outnumber cores), then sleep in short naps. When this
+ * host runs more ranks than it has cores, the peer we wait for is likely queued behind us on our own core: spinning
+ * only delays it, so the spin phase is skipped (t3d__backoff_note_ranks). */
+static _Atomic int64_t spin_ns = -1; /* -1: not decided yet */
+
+static int64_t spin_budget(void) {
+  int64_t v = atomic_load_explicit(&spin_ns, memory_order_relaxed);
+  if (v < 0) {
+    v = t3d__env_int("T3D_SPIN_NS", 5000);
+    int64_t expected = -1;
+    atomic_compare_exchange_strong(&spin_ns, &expected, v);
+    v = atomic_load_explicit(&spin_ns, memory_order_relaxed);
+  }
+  return v;
+}
+
+void t3d__backoff_note_ranks(int local_ranks) {
+  if (t3d__env_str("T3D_SPIN_NS", NULL) != NULL) return; /* set by the user: keep it */
+  long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) < cpus) cpus = CPU_COUNT(&set);
+  if (cpus > 0 && local_ranks > cpus) {
+    spin_budget();
+    atomic_store_explicit(&spin_ns, 0, memory_order_relaxed);
+  }
+}
+
 void t3d__backoff_reset(t3d_backoff_t *b) { b->since = 0; }
 
 void t3d__backoff_wait(t3d_backoff_t *b) {
   uint64_t now = t3d__now_ns();
   if (b->since == 0) b->since = now;
   uint64_t idle = now - b->since;
-  if (idle < 5000) {
+  if (idle < (uint64_t)spin_budget()) {
     for (int i = 0; i < 8; i++) __builtin_ia32_pause();
   } else if (idle < 2000000) {
     sched_yield();
@@ -223,21 +249,39 @@ static void enqueue(t3d_comm_t *comm, t3d_request_t *r) {
 
 static int is_collective(t3d_op_kind_t k) { return k != T3D_OP_SEND && k != T3D_OP_RECV && k != T3D_OP_GROUP; }
 
+static void start_inline(t3d_comm_t *comm, t3d_request_t *r);
+
+/* Ends the engine's busy state. Requests queued meanwhile waited for it: wake the progress thread. */
+static void release_engine(t3d_comm_t *comm) {
+  pthread_mutex_lock(&comm->mu);
+  comm->busy = 0;
+  if (comm->q_head != NULL) pthread_cond_signal(&comm->cv);
+  pthread_mutex_unlock(&comm->mu);
+}
+
 t3d_result_t t3d__submit(t3d_comm_t *comm, t3d_request_t *r, t3d_request_t **out) {
-  /* Sequence numbers are given at issue time: every rank issues collectives in the same order, so they agree. */
-  if (is_collective(r->kind)) {
-    pthread_mutex_lock(&comm->mu);
-    r->seq = ++comm->coll_seq;
-    pthread_mutex_unlock(&comm->mu);
-  }
+  int coll = is_collective(r->kind);
   *out = r;
+  pthread_mutex_lock(&comm->mu);
+  /* Sequence numbers are given at issue time: every rank issues collectives in the same order, so they agree. */
+  if (coll) r->seq = ++comm->coll_seq;
   if (comm->group_depth > 0) {
+    pthread_mutex_unlock(&comm->mu);
     r->next_child = NULL;
     if (comm->group_tail != NULL) comm->group_tail->next_child = r;
     else comm->group_head = r;
     comm->group_tail = r;
     return T3D_OK;
   }
+  /* A small collective on an idle engine starts on the caller's thread: two thread hand-offs cost more than the
+   * operation. */
+  if (coll && comm->q_head == NULL && !comm->busy && t3d__inline_eligible(comm, r)) {
+    comm->busy = 1;
+    pthread_mutex_unlock(&comm->mu);
+    start_inline(comm, r);
+    return T3D_OK;
+  }
+  pthread_mutex_unlock(&comm->mu);
   enqueue(comm, r);
   return T3D_OK;
 }
@@ -471,41 +515,73 @@ static const char *op_name(t3d_op_kind_t k) {
   return names[k];
 }
 
-static void run_collective(t3d_comm_t *comm, t3d_request_t *r) {
+static void init_exec(t3d_comm_t *comm, t3d_request_t *r, t3d_exec_t *ex) {
+  memset(ex, 0, sizeof *ex);
+  ex->comm = comm;
+  ex->rank = comm->rank;
+  ex->size = comm->size;
+  ex->opname = op_name(r->kind);
+  ex->seq = r->seq;
+  ex->timeout_ms = r->timeout_ms;
+  ex->deadline_ns = r->resume ? r->deadline_ns : t3d__now_ns() + (uint64_t)r->timeout_ms * 1000000ull;
+}
+
+/* Records the outcome of a collective and completes it. release: end the engine's busy state first, so that whoever
+ * sees r done finds the engine idle. */
+static void end_collective(t3d_comm_t *comm, t3d_request_t *r, t3d_exec_t *ex, t3d_result_t res, int release) {
+  if (res < 0) {
+    if (ex->error[0] == '\0') {
+      snprintf(ex->error, sizeof ex->error, "t3d: %s #%llu on group '%s' (rank %d of %d) failed: %s", ex->opname,
+               (unsigned long long)ex->seq, comm->name, comm->rank, comm->size, t3d_result_string(res));
+    }
+    /* A collective that failed half-way leaves peers out of step: nothing later on this communicator can be
+     * trusted, so it fails fast (as NCCL does) instead of mismatching messages. */
+    if (res == T3D_ERR_TIMEOUT || res == T3D_ERR_PEER_LOST || res == T3D_ERR_ABORTED || res == T3D_ERR_MISMATCH ||
+        res == T3D_ERR_TRANSPORT) {
+      fail_comm(comm, res, ex->error);
+    } else {
+      t3d__set_error(comm, res, "%s", ex->error);
+    }
+  }
+  if (release) release_engine(comm);
+  complete(r, res, ex->error);
+}
+
+static void run_collective(t3d_comm_t *comm, t3d_request_t *r, int release) {
   int fatal = atomic_load(&comm->fatal);
   if (fatal != 0) {
     char msg[700];
     snprintf(msg, sizeof msg, "t3d: %s #%llu on group '%s' (rank %d) not run: the communicator is broken by an "
              "earlier error: %s", op_name(r->kind), (unsigned long long)r->seq, comm->name, comm->rank,
              comm->fatal_msg);
+    if (release) release_engine(comm);
     complete(r, (t3d_result_t)fatal, msg);
     return;
   }
   t3d_exec_t ex;
-  memset(&ex, 0, sizeof ex);
-  ex.comm = comm;
-  ex.rank = comm->rank;
-  ex.size = comm->size;
-  ex.opname = op_name(r->kind);
-  ex.seq = r->seq;
-  ex.timeout_ms = r->timeout_ms;
-  ex.deadline_ns = t3d__now_ns() + (uint64_t)r->timeout_ms * 1000000ull;
-  t3d_result_t res = t3d__execute(&ex, r);
-  if (res < 0) {
-    if (ex.error[0] == '\0') {
-      snprintf(ex.error, sizeof ex.error, "t3d: %s #%llu on group '%s' (rank %d of %d) failed: %s", ex.opname,
-               (unsigned long long)ex.seq, comm->name, comm->rank, comm->size, t3d_result_string(res));
-    }
-    /* A collective that failed half-way leaves peers out of step: nothing later on this communicator can be
-     * trusted, so it fails fast (as NCCL does) instead of mismatching messages. */
-    if (res == T3D_ERR_TIMEOUT || res == T3D_ERR_PEER_LOST || res == T3D_ERR_ABORTED || res == T3D_ERR_MISMATCH ||
-        res == T3D_ERR_TRANSPORT) {
-      fail_comm(comm, res, ex.error);
-    } else {
-      t3d__set_error(comm, res, "%s", ex.error);
-    }
+  init_exec(comm, r, &ex);
+  end_collective(comm, r, &ex, t3d__execute(&ex, r), release);
+}
+
+/* On the caller's thread, with the engine marked busy. When peers are late the request goes to the head of the
+ * queue (ahead of anything other threads queued meanwhile: it was issued first) and the progress thread finishes
+ * it, so the call never waits for long. */
+static void start_inline(t3d_comm_t *comm, t3d_request_t *r) {
+  t3d_exec_t ex;
+  init_exec(comm, r, &ex);
+  r->deadline_ns = ex.deadline_ns;
+  t3d_result_t res = t3d__execute_start(&ex, r);
+  if (res != T3D_IN_PROGRESS) {
+    end_collective(comm, r, &ex, res, 1);
+    return;
   }
-  complete(r, res, ex.error);
+  pthread_mutex_lock(&comm->mu);
+  r->next = comm->q_head;
+  comm->q_head = r;
+  if (comm->q_tail == NULL) comm->q_tail = r;
+  comm->busy = 0;
+  pthread_cond_signal(&comm->cv);
+  pthread_mutex_unlock(&comm->mu);
 }
 
 static void run_request(t3d_comm_t *comm, t3d_request_t *r) {
@@ -533,7 +609,7 @@ static void run_request(t3d_comm_t *comm, t3d_request_t *r) {
       free(msg);
     }
   } else {
-    run_collective(comm, r);
+    run_collective(comm, r, 0);
   }
 }
 
@@ -554,8 +630,9 @@ static void *progress_main(void *arg) {
       }
     }
     pthread_mutex_lock(&comm->mu);
-    /* Fully idle: block, but wake now and then to let the transport push out buffered bytes. */
-    while (comm->q_head == NULL && comm->active_p2p == NULL && !comm->stop) {
+    /* Fully idle (or a caller runs a collective inline): block, but wake now and then to let the transport push
+     * out buffered bytes. */
+    while ((comm->q_head == NULL || comm->busy) && comm->active_p2p == NULL && !comm->stop) {
       struct timespec dl;
       clock_gettime(CLOCK_REALTIME, &dl);
       dl.tv_nsec += (long)idle_ms * 1000000L;
@@ -571,17 +648,23 @@ static void *progress_main(void *arg) {
         if (idle_ms < 64) idle_ms *= 2;
       }
     }
-    t3d_request_t *r = comm->q_head;
+    t3d_request_t *r = comm->busy ? NULL : comm->q_head;
     if (r != NULL) {
       comm->q_head = r->next;
       if (comm->q_head == NULL) comm->q_tail = NULL;
+      comm->busy = 1;
     }
-    int stop = comm->stop && r == NULL && comm->active_p2p == NULL;
+    int stop = comm->stop && comm->q_head == NULL && !comm->busy && comm->active_p2p == NULL;
     pthread_mutex_unlock(&comm->mu);
     if (stop) break;
     idle_ms = 1;
     if (r != NULL) {
-      run_request(comm, r);
+      if (is_collective(r->kind)) {
+        run_collective(comm, r, 1);
+      } else {
+        run_request(comm, r);
+        release_engine(comm);
+      }
       t3d__backoff_reset(&b);
     }
     if (comm->active_p2p != NULL) {
@@ -603,6 +686,7 @@ void t3d_config_init(t3d_config_t *cfg) {
   cfg->name = NULL;
   cfg->key_prefix = NULL;
   cfg->transport = NULL;
+  cfg->inline_bytes = T3D_INLINE_DEFAULT;
 }
 
 /* T3D_TRANSPORT: "auto" (shared memory for collectives when every rank is on this host, UCX for the rest), "ucx"
@@ -650,7 +734,11 @@ static t3d_result_t setup_shm(t3d_comm_t *comm, const char *want) {
     }
     free(v);
   }
-  if (same) return t3d__shm_init(comm, &comm->shm);
+  if (same) {
+    T3D_CHECK(t3d__shm_init(comm, &comm->shm));
+    t3d__backoff_note_ranks(comm->size);
+    return T3D_OK;
+  }
   if (strcmp(want, "shm") == 0) {
     return t3d__set_error(comm, T3D_ERR_UNSUPPORTED,
                           "t3d_comm_init: T3D_TRANSPORT=shm but rank %d of group '%s' is on another host than rank %d",
@@ -688,6 +776,10 @@ t3d_result_t t3d_comm_init(t3d_comm_t **out, int rank, int size, const t3d_store
   comm->timeout_ms = cfg->timeout_ms > 0 ? cfg->timeout_ms : t3d__env_int("T3D_TIMEOUT_MS", 600000);
   snprintf(comm->name, sizeof comm->name, "%s", cfg->name ? cfg->name : "comm");
   snprintf(comm->prefix, sizeof comm->prefix, "%s", cfg->key_prefix ? cfg->key_prefix : "t3d");
+  comm->inline_max = cfg->inline_bytes >= -1 ? cfg->inline_bytes : t3d__env_int("T3D_INLINE_BYTES", 64 * 1024);
+  if (comm->inline_max < -1) comm->inline_max = -1;
+  int64_t wait_ns = t3d__env_int("T3D_INLINE_WAIT_NS", 20000);
+  comm->inline_wait_ns = wait_ns > 0 ? (uint64_t)wait_ns : 0;
 
   const char *want = cfg->transport ? cfg->transport : t3d__env_str("T3D_TRANSPORT", "auto");
   snprintf(comm->transport, sizeof comm->transport, "%s", want);
@@ -808,6 +900,7 @@ t3d_result_t t3d_comm_split(t3d_comm_t *parent, int color, int key, const t3d_co
     snprintf(prefix, sizeof prefix, "%s/split%d/color%d", parent->prefix, split_id, color);
     c.key_prefix = prefix;
     if (c.transport == NULL) c.transport = parent->transport;
+    if (c.inline_bytes < -1) c.inline_bytes = parent->inline_max;
     res = t3d_comm_init(newcomm, newrank, count, &parent->store, &c);
     if (res != T3D_OK) {
       t3d__set_error(parent, res, "t3d_comm_split: rank %d of group '%s' could not create its part (color %d): %s",

@@ -36,7 +36,9 @@ struct t3d_request {
   /* what the operation does */
   uint64_t seq;
   int64_t timeout_ms;
-  uint64_t deadline_ns; /* point-to-point: set when posted */
+  uint64_t deadline_ns; /* point-to-point: set when posted; inline collectives: set when started */
+  int resume;           /* an inline collective that the progress thread finishes (rs) */
+  t3d_shm_resume_t rs;
   const void *sendbuf;
   void *recvbuf;
   size_t count;
@@ -78,6 +80,7 @@ struct t3d_comm {
   pthread_mutex_t mu; /* queue, stop, coll_seq, split_count */
   pthread_cond_t cv;
   t3d_request_t *q_head, *q_tail;
+  int busy; /* a request is being run (by the progress thread, or inline by a caller) */
   int stop;
   uint64_t coll_seq;
   int split_count;
@@ -85,6 +88,9 @@ struct t3d_comm {
   atomic_int aborted;
   atomic_int fatal; /* t3d_result_t that broke the communicator, 0 if none */
   char fatal_msg[512];
+
+  int64_t inline_max;      /* allreduce up to this many bytes may start on the caller's thread (-1: never) */
+  uint64_t inline_wait_ns; /* how long the caller waits for its peers before handing over (T3D_INLINE_WAIT_NS) */
 
   int group_depth; /* caller thread only */
   t3d_request_t *group_head, *group_tail;
@@ -108,6 +114,12 @@ void t3d__request_release(t3d_request_t *req);
 /* Queues req (or holds it in the open group) and hands the user's reference back through out. */
 t3d_result_t t3d__submit(t3d_comm_t *comm, t3d_request_t *req, t3d_request_t **out);
 /* Runs one collective on the progress thread (coll.c). */
+/* Finishes an inline one when req->resume is set. */
 t3d_result_t t3d__execute(t3d_exec_t *ex, t3d_request_t *req);
+/* Inline collectives (coll.c): whether req may start on the caller's thread (the engine must be idle), and the
+ * start, which returns the result when the operation finished within a short wait, or T3D_IN_PROGRESS with
+ * req->resume set when the progress thread must finish it. */
+int t3d__inline_eligible(t3d_comm_t *comm, const t3d_request_t *req);
+t3d_result_t t3d__execute_start(t3d_exec_t *ex, t3d_request_t *req);
 
 #endif /* T3D_COMM_H */

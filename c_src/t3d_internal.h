@@ -121,6 +121,8 @@ typedef struct t3d_backoff {
   uint64_t since; /* 0: progress just happened */
 } t3d_backoff_t;
 void t3d__backoff_reset(t3d_backoff_t *b);
+/* Tells the backoff how many ranks of one communicator share this host (more than cores: no spinning). */
+void t3d__backoff_note_ranks(int local_ranks);
 void t3d__backoff_wait(t3d_backoff_t *b);
 t3d_result_t t3d__exec_check(t3d_exec_t *ex, const char *waiting_for);
 
@@ -144,6 +146,19 @@ t3d_result_t t3d__shm_allgatherv(t3d_exec_t *ex, const void *sendbuf, void *recv
 t3d_result_t t3d__shm_alltoallv(t3d_exec_t *ex, const void *sendbuf, const size_t *sbytes, const size_t *sdispls,
                                 void *recvbuf, const size_t *rbytes, const size_t *rdispls);
 t3d_result_t t3d__shm_barrier(t3d_exec_t *ex);
+/* A small allreduce in two parts, for a caller that starts it on its own thread: start publishes this rank's input
+ * (never waits), arrived polls whether every rank has, finish waits for them and folds. Only when oneshot_fits said
+ * the size qualifies and the half is free. Between start and finish no other operation may run on the
+ * communicator. */
+typedef struct t3d_shm_resume {
+  int h;
+  uint64_t base;
+} t3d_shm_resume_t;
+int t3d__shm_oneshot_fits(t3d_shm_t *shm, size_t bytes);
+t3d_result_t t3d__shm_oneshot_start(t3d_exec_t *ex, const void *sendbuf, size_t bytes, t3d_shm_resume_t *rs);
+int t3d__shm_oneshot_arrived(t3d_exec_t *ex, const t3d_shm_resume_t *rs);
+t3d_result_t t3d__shm_oneshot_finish(t3d_exec_t *ex, const t3d_shm_resume_t *rs, const void *sendbuf, void *recvbuf,
+                                     size_t count, t3d_dtype_t dt, t3d_redop_t op);
 
 /* ---------- algorithms (c_src/algo/). All run on the progress thread with blocking semantics. ----------
  * Reducing ones see only T3D_SUM, PROD, MIN, MAX, BAND, BOR, BXOR on non-half dtypes: the front end (coll.c)

@@ -27,32 +27,77 @@ static t3d_result_t check_all_info(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_s
 /* ---------- allreduce and reduce ---------- */
 
 /* Every rank's whole vector goes into its half; the reducing ranks fold all halves in rank order, so every rank
- * computes the same bits. root < 0: allreduce. */
-static t3d_result_t reduce_oneshot(t3d_shm_t *s, t3d_exec_t *ex, const void *sendbuf, void *recvbuf, size_t count,
-                                   t3d_dtype_t dt, t3d_redop_t op, int root, int kind) {
+ * computes the same bits. root < 0: allreduce. Two parts, so that an inline allreduce can publish on the caller's
+ * thread and leave the fold to the progress thread when peers are late (t3d__shm_oneshot_*). */
+static t3d_result_t oneshot_publish(t3d_shm_t *s, t3d_exec_t *ex, const void *sendbuf, size_t bytes, int root,
+                                    int kind, t3d_shm_step_t *st) {
+  t3d__shm_step_begin(s, 2, st);
+  /* The root of a reduce reads its own input in place; everybody else publishes it. */
+  if (root != s->rank) {
+    T3D_CHECK(t3d__shm_step_acquire(s, ex, st));
+    t3d__shm_put_info(s, st, kind, bytes, 0);
+    memcpy(t3d__shm_half(s, s->rank, st->h), sendbuf, bytes);
+  }
+  /* A non-root of a reduce has nothing to read: it is done with the step. */
+  t3d__shm_post(s, root >= 0 && root != s->rank ? st->base + 2 : st->base + 1);
+  return T3D_OK;
+}
+
+static t3d_result_t oneshot_fold(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step_t *st, const void *sendbuf,
+                                 void *recvbuf, size_t count, t3d_dtype_t dt, t3d_redop_t op, int kind) {
   int n = s->size, me = s->rank;
   size_t bytes = count * t3d_dtype_size(dt);
-  t3d_shm_step_t st;
-  t3d__shm_step_begin(s, 2, &st);
-  /* The root of a reduce reads its own input in place; everybody else publishes it. */
-  if (root != me) {
-    T3D_CHECK(t3d__shm_step_acquire(s, ex, &st));
-    t3d__shm_put_info(s, &st, kind, bytes, 0);
-    memcpy(t3d__shm_half(s, me, st.h), sendbuf, bytes);
-  }
-  if (root >= 0 && root != me) {
-    t3d__shm_post(s, st.base + 2); /* nothing to read */
-    return T3D_OK;
-  }
-  t3d__shm_post(s, st.base + 1);
-  T3D_CHECK(t3d__shm_wait(s, ex, -1, st.base + 1));
+  T3D_CHECK(t3d__shm_wait(s, ex, -1, st->base + 1));
   for (int p = 0; p < n; p++) {
-    if (p != me) T3D_CHECK(t3d__shm_check_info(s, ex, &st, p, kind, bytes));
-    s->srcs[p] = p == me ? sendbuf : t3d__shm_half(s, p, st.h);
+    if (p != me) T3D_CHECK(t3d__shm_check_info(s, ex, st, p, kind, bytes));
+    s->srcs[p] = p == me ? sendbuf : t3d__shm_half(s, p, st->h);
   }
   t3d__shm_reduce_n(recvbuf, NULL, s->srcs, n, count, dt, op, 0);
-  t3d__shm_post(s, st.base + 2);
+  t3d__shm_post(s, st->base + 2);
   return T3D_OK;
+}
+
+static t3d_result_t reduce_oneshot(t3d_shm_t *s, t3d_exec_t *ex, const void *sendbuf, void *recvbuf, size_t count,
+                                   t3d_dtype_t dt, t3d_redop_t op, int root, int kind) {
+  t3d_shm_step_t st;
+  T3D_CHECK(oneshot_publish(s, ex, sendbuf, count * t3d_dtype_size(dt), root, kind, &st));
+  if (root >= 0 && root != s->rank) return T3D_OK;
+  return oneshot_fold(s, ex, &st, sendbuf, recvbuf, count, dt, op, kind);
+}
+
+int t3d__shm_oneshot_fits(t3d_shm_t *s, size_t bytes) {
+  if (bytes > s->oneshot_max) return 0;
+  /* The half the next step uses must be free now: the inline part never waits for it. */
+  uint64_t need = s->free_at[s->step & 1];
+  if (s->seen_all >= need) return 1;
+  for (int p = 0; p < s->size; p++) {
+    if (p != s->rank && atomic_load_explicit(t3d__shm_flag(s, p), memory_order_acquire) < need) return 0;
+  }
+  s->seen_all = need;
+  return 1;
+}
+
+t3d_result_t t3d__shm_oneshot_start(t3d_exec_t *ex, const void *sendbuf, size_t bytes, t3d_shm_resume_t *rs) {
+  t3d_shm_t *s = t3d__exec_shm(ex);
+  t3d_shm_step_t st;
+  T3D_CHECK(oneshot_publish(s, ex, sendbuf, bytes, -1, T3D_OP_ALLREDUCE, &st));
+  rs->h = st.h;
+  rs->base = st.base;
+  return T3D_OK;
+}
+
+int t3d__shm_oneshot_arrived(t3d_exec_t *ex, const t3d_shm_resume_t *rs) {
+  t3d_shm_t *s = t3d__exec_shm(ex);
+  for (int p = 0; p < s->size; p++) {
+    if (p != s->rank && atomic_load_explicit(t3d__shm_flag(s, p), memory_order_acquire) < rs->base + 1) return 0;
+  }
+  return 1;
+}
+
+t3d_result_t t3d__shm_oneshot_finish(t3d_exec_t *ex, const t3d_shm_resume_t *rs, const void *sendbuf, void *recvbuf,
+                                     size_t count, t3d_dtype_t dt, t3d_redop_t op) {
+  t3d_shm_step_t st = {rs->h, rs->base, 0, 1};
+  return oneshot_fold(t3d__exec_shm(ex), ex, &st, sendbuf, recvbuf, count, dt, op, T3D_OP_ALLREDUCE);
 }
 
 typedef struct {

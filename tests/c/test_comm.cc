@@ -183,18 +183,30 @@ TEST(Comm, ParentUsableAfterSplit) {
 
 // Two communicators over the same ranks, collectives issued on both before either is waited for, in opposite
 // orders on even and odd ranks: each communicator has its own sequence, so nothing crosses or deadlocks.
-TEST(Comm, ConcurrentCollectivesOnTwoComms) {
+// Collectives on three communicators over the same ranks, issued in different orders on different ranks: every
+// call is non-blocking, so they all complete, with small allreduces started inline (the default) or all queued
+// (inline_bytes -1; the splits inherit the setting).
+class CommOrder : public ::testing::TestWithParam<int64_t> {};
+
+TEST_P(CommOrder, ConcurrentCollectivesOnThreeCommsInAnyOrder) {
   const int n = 4;
+  const int64_t inline_bytes = GetParam();
   MemStore second_store;
   const std::string prefix = UniqueName("second");
-  RunRanks(n, [&](int rank, t3d_comm_t *a) {
+  RunRanks(n, [&](int rank, t3d_comm_t *world) {
     t3d_config_t cfg;
     t3d_config_init(&cfg);
     cfg.key_prefix = prefix.c_str();
     cfg.name = "second";
     cfg.timeout_ms = TestTimeoutMs();
+    cfg.inline_bytes = inline_bytes;
     t3d_comm_t *b = nullptr;
     T3D_ASSERT_OK(nullptr, t3d_comm_init(&b, rank, n, second_store.store(), &cfg));
+    t3d_config_t first;
+    t3d_config_init(&first);
+    first.inline_bytes = inline_bytes;
+    t3d_comm_t *a = nullptr;
+    T3D_ASSERT_OK(world, t3d_comm_split(world, 0, rank, &first, &a));
     t3d_comm_t *c = nullptr;
     T3D_ASSERT_OK(a, t3d_comm_split(a, 0, n - rank, nullptr, &c));  // same ranks, reversed order
     for (int it = 0; it < 20; ++it) {
@@ -234,8 +246,52 @@ TEST(Comm, ConcurrentCollectivesOnTwoComms) {
     }
     if (!HostBarrier()) return;
     EXPECT_EQ(t3d_comm_destroy(c), T3D_OK);
+    EXPECT_EQ(t3d_comm_destroy(a), T3D_OK);
     EXPECT_EQ(t3d_comm_destroy(b), T3D_OK);
   });
+}
+
+INSTANTIATE_TEST_SUITE_P(Inline, CommOrder, ::testing::Values(T3D_INLINE_DEFAULT, -1),
+                         [](const ::testing::TestParamInfo<int64_t> &i) {
+                           return std::string(i.param == -1 ? "Queued" : "InlineDefault");
+                         });
+
+// With the default (inline) setting, small collectives on an idle communicator are done when the call returns, and
+// collectives on two communicators over the same ranks, issued in the same order everywhere, interleave correctly,
+// as do queued (large) and inline (small) ones on one communicator.
+TEST(Comm, SmallCollectivesRunInline) {
+  const int n = 4;
+  // Peers get all the time they need to arrive, so that "done on return" does not depend on scheduling. Read when
+  // a communicator is created: the split below sees it, the other tests do not.
+  setenv("T3D_INLINE_WAIT_NS", "600000000000", 1);
+  RunRanks(n, [&](int rank, t3d_comm_t *a) {
+    if (std::string(t3d_comm_transport(a)).find("shm") == std::string::npos) GTEST_SKIP() << "no shared memory";
+    t3d_comm_t *b = nullptr;
+    T3D_ASSERT_OK(a, t3d_comm_split(a, 0, rank, nullptr, &b));
+    for (int it = 0; it < 50; ++it) {
+      const size_t small = 1 + static_cast<size_t>(it), large = 300000;  // large: above 64 KiB, queued
+      std::vector<float> s1(small, 1.0f), r1(small), s2(small, static_cast<float>(rank)), r2(small);
+      std::vector<float> sl(large, 0.5f), rl(large);
+      t3d_request_t *q1 = nullptr, *q2 = nullptr, *ql = nullptr, *q3 = nullptr;
+      T3D_EXPECT_OK(a, t3d_allreduce(a, s1.data(), r1.data(), small, T3D_FLOAT32, T3D_SUM, nullptr, &q1));
+      EXPECT_EQ(t3d_test(q1), T3D_OK) << "a small allreduce on an idle communicator should be done on return";
+      T3D_EXPECT_OK(b, t3d_allreduce(b, s2.data(), r2.data(), small, T3D_FLOAT32, T3D_MAX, nullptr, &q2));
+      T3D_EXPECT_OK(a, t3d_allreduce(a, sl.data(), rl.data(), large, T3D_FLOAT32, T3D_SUM, nullptr, &ql));
+      // Queued behind the large one: must not overtake it.
+      T3D_EXPECT_OK(a, t3d_allreduce(a, r1.data(), r1.data(), small, T3D_FLOAT32, T3D_SUM, nullptr, &q3));
+      std::string err;
+      EXPECT_EQ(Finish(q1, &err), T3D_OK) << err;
+      EXPECT_EQ(Finish(q2, &err), T3D_OK) << err;
+      EXPECT_EQ(Finish(ql, &err), T3D_OK) << err;
+      EXPECT_EQ(Finish(q3, &err), T3D_OK) << err;
+      ASSERT_EQ(r1[small - 1], static_cast<float>(n * n)) << "iteration " << it;
+      ASSERT_EQ(r2[0], static_cast<float>(n - 1)) << "iteration " << it;
+      ASSERT_EQ(rl[large - 1], 0.5f * n) << "iteration " << it;
+    }
+    if (!HostBarrier()) return;
+    EXPECT_EQ(t3d_comm_destroy(b), T3D_OK);
+  });
+  unsetenv("T3D_INLINE_WAIT_NS");
 }
 
 // ---------- argument checking ----------
