@@ -148,9 +148,68 @@ typedef struct {
   atomic_int err;
 } run_t;
 
+/* Buffers come from a small pool of blocks freed by earlier calls: the per-call buffers (thread scratch, packed
+ * K/V, dq accumulators) are big enough that malloc would map them afresh and fault every page in on every call.
+ * Each block carries its capacity in a 64-byte header. */
+enum { POOL_SLOTS = 8 };
+#define POOL_KEEP_BYTES ((size_t)1 << 30) /* at most this much is kept */
+static pthread_mutex_t pool_mu = PTHREAD_MUTEX_INITIALIZER;
+static unsigned char *pool_blk[POOL_SLOTS];
+static size_t pool_cap[POOL_SLOTS];
+
 static void *scratch_alloc(size_t bytes) {
   if (!bytes) return NULL;
-  return aligned_alloc(64, (bytes + 63) & ~(size_t)63);
+  bytes = (bytes + 63) & ~(size_t)63;
+  pthread_mutex_lock(&pool_mu);
+  int best = -1;
+  for (int i = 0; i < POOL_SLOTS; i++)
+    if (pool_blk[i] && pool_cap[i] >= bytes && (best < 0 || pool_cap[i] < pool_cap[best])) best = i;
+  unsigned char *blk = NULL;
+  if (best >= 0) {
+    blk = pool_blk[best];
+    pool_blk[best] = NULL;
+  }
+  pthread_mutex_unlock(&pool_mu);
+  if (!blk) {
+    blk = (unsigned char *)aligned_alloc(64, bytes + 64);
+    if (!blk) return NULL;
+    memcpy(blk, &bytes, sizeof bytes);
+  }
+  return blk + 64;
+}
+
+static void scratch_free(void *ptr) {
+  if (!ptr) return;
+  unsigned char *blk = (unsigned char *)ptr - 64;
+  size_t cap;
+  memcpy(&cap, blk, sizeof cap);
+  pthread_mutex_lock(&pool_mu);
+  size_t kept = 0;
+  int slot = -1;
+  for (int i = 0; i < POOL_SLOTS; i++) {
+    if (pool_blk[i])
+      kept += pool_cap[i];
+    else if (slot < 0)
+      slot = i;
+  }
+  if (slot < 0) { /* full: the smallest kept block makes room if this one is bigger */
+    int small = 0;
+    for (int i = 1; i < POOL_SLOTS; i++)
+      if (pool_cap[i] < pool_cap[small]) small = i;
+    if (pool_cap[small] < cap) {
+      kept -= pool_cap[small];
+      free(pool_blk[small]);
+      pool_blk[small] = NULL;
+      slot = small;
+    }
+  }
+  if (slot >= 0 && kept + cap <= POOL_KEEP_BYTES) {
+    pool_blk[slot] = blk;
+    pool_cap[slot] = cap;
+    blk = NULL;
+  }
+  pthread_mutex_unlock(&pool_mu);
+  free(blk);
 }
 
 /* Body handed to the caller's parallel-for: one scratch per call (at::parallel_for calls it once per thread). */
@@ -162,7 +221,7 @@ static void run_body_ext(void *arg, int64_t begin, int64_t end) {
     return;
   }
   r->fn(r->ctx, begin, end, scratch);
-  free(scratch);
+  scratch_free(scratch);
 }
 
 /* Internal team: tasks are claimed one at a time, so uneven (causal) tasks balance themselves. */
@@ -178,7 +237,7 @@ static void *run_worker(void *arg) {
     if (t >= r->n) break;
     r->fn(r->ctx, t, t + 1, scratch);
   }
-  free(scratch);
+  scratch_free(scratch);
   return NULL;
 }
 
@@ -324,13 +383,13 @@ int t3d_attn_forward(t3d_attn_dtype_t dtype, const void *q, const void *k, const
       p->kvpack_bytes = blk;
       rc = run_tasks(exec, units * p->nkb, pack_job, &j, 0);
       if (rc) {
-        free(kvpack);
+        scratch_free(kvpack);
         return rc;
       }
     }
   }
   rc = run_tasks(exec, batch * q_heads * p->nqb, fwd_job, &j, ATTN_SCRATCH_FLOATS * sizeof(float));
-  free(kvpack);
+  scratch_free(kvpack);
   return rc;
 }
 
@@ -442,15 +501,15 @@ int t3d_attn_backward(t3d_attn_dtype_t dtype, const void *dout, const void *q, c
   if (dtype == T3D_ATTN_FLOAT32 && slabs == 1) {
     p->dq_acc = (float *)dq;
   } else if (nq > 0) {
-    owned = (float *)malloc((size_t)slabs * (size_t)nq * (size_t)head_dim * sizeof(float));
+    owned = (float *)scratch_alloc((size_t)slabs * (size_t)nq * (size_t)head_dim * sizeof(float));
     if (!owned) return T3D_ATTN_ERR_NO_MEMORY;
     p->dq_acc = owned;
   }
   float *delta = NULL;
   if (nq > 0) {
-    delta = (float *)malloc((size_t)nq * sizeof(float));
+    delta = (float *)scratch_alloc((size_t)nq * sizeof(float));
     if (!delta) {
-      free(owned);
+      scratch_free(owned);
       return T3D_ATTN_ERR_NO_MEMORY;
     }
   }
@@ -471,10 +530,10 @@ int t3d_attn_backward(t3d_attn_dtype_t dtype, const void *dout, const void *q, c
   if (!rc && p->nkb > 0) rc = run_tasks(exec, units * slabs, bwd_job, &j, ATTN_SCRATCH_FLOATS * sizeof(float));
   if (!rc) rc = run_tasks(exec, row_tasks, bwd_finish_job, &j, 0);
 #if defined(T3D_ATTN_HAVE_AMX)
-  free(qpack);
+  scratch_free(qpack);
 #endif
-  free(delta);
-  free(owned);
+  scratch_free(delta);
+  scratch_free(owned);
   return rc;
 }
 

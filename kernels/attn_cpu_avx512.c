@@ -14,7 +14,8 @@ static inline __mmask16 tail_mask16(int r) { return r >= 16 ? (__mmask16)0xffff 
  * sar = 1: A stored transposed). The last vector of the tile is masked by lastm. Up to 8 x 3 accumulators: per
  * step 3 vector loads and 8 broadcasts feed 24 FMAs, and a 48-column panel of B (k x 192 bytes) stays in L1 while
  * the row blocks walk down A. */
-static inline __attribute__((always_inline)) void tile_f32(const int MR, const int NV, __mmask16 lastm, int k,
+static inline __attribute__((always_inline)) void tile_f32(const int MR, const int NV, const int FULL,
+                                                           __mmask16 lastm, int k,
                                                            const float *A, int64_t sar, int64_t sap,
                                                            const float *B, int ldb, float *C, int ldc, int acc) {
   __m512 c[8][3];
@@ -28,7 +29,7 @@ static inline __attribute__((always_inline)) void tile_f32(const int MR, const i
   for (int p = 0; p < k; p++, Ap += sap, Bp += ldb) {
     __m512 bv[3];
     for (int v = 0; v < NV; v++)
-      bv[v] = v == NV - 1 ? _mm512_maskz_loadu_ps(lastm, Bp + 16 * v) : _mm512_loadu_ps(Bp + 16 * v);
+      bv[v] = (FULL || v != NV - 1) ? _mm512_loadu_ps(Bp + 16 * v) : _mm512_maskz_loadu_ps(lastm, Bp + 16 * v);
     for (int r = 0; r < MR; r++) {
       const __m512 a = _mm512_set1_ps(Ap[r * sar]);
       for (int v = 0; v < NV; v++) c[r][v] = _mm512_fmadd_ps(a, bv[v], c[r][v]);
@@ -41,16 +42,16 @@ static inline __attribute__((always_inline)) void tile_f32(const int MR, const i
     }
 }
 
-#define TILE_ROWS(NV, ...)                     \
+#define TILE_ROWS(NV, FULL, ...)                     \
   switch (mr) {                                \
-    case 1: tile_f32(1, NV, __VA_ARGS__); break; \
-    case 2: tile_f32(2, NV, __VA_ARGS__); break; \
-    case 3: tile_f32(3, NV, __VA_ARGS__); break; \
-    case 4: tile_f32(4, NV, __VA_ARGS__); break; \
-    case 5: tile_f32(5, NV, __VA_ARGS__); break; \
-    case 6: tile_f32(6, NV, __VA_ARGS__); break; \
-    case 7: tile_f32(7, NV, __VA_ARGS__); break; \
-    default: tile_f32(8, NV, __VA_ARGS__); break; \
+    case 1: tile_f32(1, NV, FULL, __VA_ARGS__); break; \
+    case 2: tile_f32(2, NV, FULL, __VA_ARGS__); break; \
+    case 3: tile_f32(3, NV, FULL, __VA_ARGS__); break; \
+    case 4: tile_f32(4, NV, FULL, __VA_ARGS__); break; \
+    case 5: tile_f32(5, NV, FULL, __VA_ARGS__); break; \
+    case 6: tile_f32(6, NV, FULL, __VA_ARGS__); break; \
+    case 7: tile_f32(7, NV, FULL, __VA_ARGS__); break; \
+    default: tile_f32(8, NV, FULL, __VA_ARGS__); break; \
   }
 
 /* C (+)= A B with A element (i, p) at A[i sar + p sap]. */
@@ -63,12 +64,14 @@ static void gemm_strided(int m, int n, int k, const float *A, int64_t sar, int64
       const int mr = m - i >= 8 ? 8 : m - i;
       const float *Ai = A + (int64_t)i * sar;
       float *Ci = C + (int64_t)i * ldc + j;
-      if (nv == 3) {
-        TILE_ROWS(3, lastm, k, Ai, sar, sap, B + j, ldb, Ci, ldc, acc)
+      if (nv == 3 && lastm == (__mmask16)0xffff) { /* the common case: no masked loads in the k loop */
+        TILE_ROWS(3, 1, lastm, k, Ai, sar, sap, B + j, ldb, Ci, ldc, acc)
+      } else if (nv == 3) {
+        TILE_ROWS(3, 0, lastm, k, Ai, sar, sap, B + j, ldb, Ci, ldc, acc)
       } else if (nv == 2) {
-        TILE_ROWS(2, lastm, k, Ai, sar, sap, B + j, ldb, Ci, ldc, acc)
+        TILE_ROWS(2, 0, lastm, k, Ai, sar, sap, B + j, ldb, Ci, ldc, acc)
       } else {
-        TILE_ROWS(1, lastm, k, Ai, sar, sap, B + j, ldb, Ci, ldc, acc)
+        TILE_ROWS(1, 0, lastm, k, Ai, sar, sap, B + j, ldb, Ci, ldc, acc)
       }
     }
   }
