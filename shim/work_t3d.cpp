@@ -50,13 +50,20 @@ WorkT3D::WorkT3D(std::shared_ptr<CommHandle> comm, int rank, c10d::OpType type, 
                  std::string group, uint64_t seq, int64_t timeoutMs, std::vector<at::Tensor> outputs)
     : Work(rank, type, (std::string("t3d:") + opName).c_str()),
       comm_(std::move(comm)),
+      opName_(opName),
+      group_(std::move(group)),
       seq_(seq),
       timeoutMs_(timeoutMs),
       outputs_(std::move(outputs)) {
+  // One type object for every work's future: creating it per call is a measurable part of a small collective.
+  static const c10::TypePtr kTensorList = c10::ListType::create(c10::TensorType::get());
+  future_ = c10::make_intrusive<c10::ivalue::Future>(kTensorList);
+}
+
+std::string WorkT3D::describe() const {
   std::ostringstream os;
-  os << opName << " #" << seq << " on rank " << rank << " of group '" << group << "'";
-  desc_ = os.str();
-  future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
+  os << opName_ << " #" << seq_ << " on rank " << rank_ << " of group '" << group_ << "'";
+  return os.str();
 }
 
 WorkT3D::~WorkT3D() {
@@ -71,7 +78,7 @@ void WorkT3D::arm() {
   if (r != T3D_OK) {
     c10::intrusive_ptr<WorkT3D>::reclaim(ref);
     C10_THROW_ERROR(DistBackendError,
-                    c10::str("t3d: ", desc_, ": cannot register the completion callback: ", t3d_result_string(r)));
+                    c10::str("t3d: ", describe(), ": cannot register the completion callback: ", t3d_result_string(r)));
   }
 }
 
@@ -99,7 +106,7 @@ void WorkT3D::onRequestDone(void* arg, t3d_result_t res) {
     self->requestDone(res);
   } catch (const std::exception& e) {
     // Nothing may unwind into C; requestDone only throws on allocation failure.
-    LOG(ERROR) << "t3d: completion of " << self->desc_ << " failed: " << e.what();
+    LOG(ERROR) << "t3d: completion of " << self->describe() << " failed: " << e.what();
   }
 }
 
@@ -175,7 +182,7 @@ void WorkT3D::markFuture() {
 }
 
 std::exception_ptr WorkT3D::makeError(t3d_result_t res, const char* detail) const {
-  std::string msg = c10::str("t3d: ", desc_, " failed: ", t3d_result_string(res));
+  std::string msg = c10::str("t3d: ", describe(), " failed: ", t3d_result_string(res));
   if (detail != nullptr && detail[0] != '\0') msg += c10::str(": ", detail);
   try {
     C10_THROW_ERROR(DistBackendError, msg);
@@ -202,8 +209,8 @@ std::exception_ptr WorkT3D::exception() const {
 int WorkT3D::sourceRank() const {
   std::lock_guard<std::mutex> lk(mutex_);
   TORCH_CHECK(opType_ == c10d::OpType::RECV || opType_ == c10d::OpType::RECVANYSOURCE,
-              "t3d: sourceRank() is only defined for receives, not for ", desc_);
-  TORCH_CHECK(completed_, "t3d: sourceRank() of ", desc_, " before it completed");
+              "t3d: sourceRank() is only defined for receives, not for ", describe());
+  TORCH_CHECK(completed_, "t3d: sourceRank() of ", describe(), " before it completed");
   return sourceRank_;
 }
 
@@ -225,7 +232,7 @@ bool WorkT3D::wait(std::chrono::milliseconds timeout) {
   bool done = cv_.wait_for(lk, std::chrono::milliseconds(ms), [this] { return completed_; });
   if (!done) {
     lk.unlock();
-    C10_THROW_ERROR(DistBackendError, c10::str("t3d: wait timed out after ", ms, " ms: ", desc_,
+    C10_THROW_ERROR(DistBackendError, c10::str("t3d: wait timed out after ", ms, " ms: ", describe(),
                                                " has not completed (it keeps running; abort the group to stop it)"));
   }
   if (exception_) std::rethrow_exception(exception_);

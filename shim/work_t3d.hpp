@@ -64,9 +64,8 @@ class WorkT3D : public c10d::Work {
   const std::vector<at::Tensor>& outputs() const {
     return outputs_;
   }
-  const std::string& describe() const {
-    return desc_;
-  }
+  // "allreduce #12 on rank 3 of group '0'", built when a message needs it (not on every call).
+  std::string describe() const;
 
   bool isCompleted() override;
   bool isSuccess() const override;
@@ -92,7 +91,8 @@ class WorkT3D : public c10d::Work {
 
   std::shared_ptr<CommHandle> comm_;
   t3d_request_t* req_ = nullptr;
-  std::string desc_;  // "allreduce #12 on rank 3 of group '0'"
+  const char* opName_;  // a string literal
+  std::string group_;
   uint64_t seq_;
   int64_t timeoutMs_;
   std::vector<at::Tensor> outputs_;
