@@ -82,7 +82,7 @@ static void amx_begin(void) {
       _tile_zero(t);                   \
   } while (0)
 
-static __attribute__((noinline)) void amx_gemm(int mt, int nt, int kt, const void *A, int64_t lda, const void *B, int64_t ldb, float *C,
+static inline __attribute__((always_inline)) void amx_gemm(int mt, int nt, int kt, const void *A, int64_t lda, const void *B, int64_t ldb, float *C,
                      int64_t ldc, int acc) {
   const char *a = (const char *)A, *b = (const char *)B;
   char *c = (char *)C;
@@ -150,20 +150,31 @@ static __attribute__((noinline)) void amx_gemm(int mt, int nt, int kt, const voi
   }
 }
 
+/* One out-of-line copy per use, so profiles tell the products apart. */
+#define AMX_GEMM_FN(name)                                                                                          \
+  static __attribute__((noipa)) void name(int mt, int nt, int kt, const void *A, int64_t lda, const void *B,        \
+                                          int64_t ldb, float *C, int64_t ldc, int acc) {                            \
+    amx_gemm(mt, nt, kt, A, lda, B, ldb, C, ldc, acc);                                                             \
+  }
+AMX_GEMM_FN(gemm_fwd_qk)
+AMX_GEMM_FN(gemm_fwd_pv)
+AMX_GEMM_FN(gemm_bwd_sdp)
+AMX_GEMM_FN(gemm_bwd_kv)
+AMX_GEMM_FN(gemm_bwd_dq)
+
 /* ---------------------------------------------------------------- AVX-512 helpers */
 
 static inline __mmask16 mask16(int64_t r) {
   return r >= 16 ? (__mmask16)0xffff : r <= 0 ? (__mmask16)0 : (__mmask16)((1u << r) - 1u);
 }
 
-/* 2^x for x <= ~8 (callers subtract the row maximum): x = n + f, |f| <= 1/2, 2^f by its degree-6 Taylor polynomial
- * (relative error < 2e-7), then scalef. Clamping at -150 flushes very negative arguments to 0. */
+/* 2^x for finite x <= ~8 (callers subtract the row maximum): x = n + f, |f| <= 1/2, 2^f by its degree-5 Taylor
+ * polynomial (relative error < 3e-6, far below bfloat16's 4e-3), then scalef, which flushes very negative x to 0.
+ * Lanes the callers mask off may compute inf or NaN; they are discarded. */
 static inline __m512 exp2_ps(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-150.0f));
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.5403530393381606e-04f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
+  __m512 p = _mm512_set1_ps(1.3333558146428443e-03f);
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-03f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-02f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402265069591007e-01f));
@@ -254,33 +265,52 @@ void t3d__attn_amx_fwd_pack(const t3d__attn_problem *p, int64_t begin, int64_t e
   }
 }
 
-/* Softmax of one score row against the running state, written to P as bfloat16: columns [0, vis) are visible,
- * [vis, n32) become zeros. Rescales the accumulator row O (DO floats) when the maximum moves. */
-static __attribute__((noinline)) void softmax_row(const float *S, int64_t vis, int64_t n32, float c, float *m2, float *l, float *O,
+/* P[j] = bfloat16(2^(c S[j] - m)) for j < vis, 0 for vis <= j < n32; returns the sum of the float32 values and
+ * the largest S[j], j < vis, in *smax. */
+static inline float exp_row(const float *S, int64_t vis, int64_t n32, float c, float m, uint16_t *P, float *smax) {
+  const __m512 vc = _mm512_set1_ps(c), vm = _mm512_set1_ps(m);
+  __m512 sum = _mm512_setzero_ps(), mx = _mm512_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < n32; j += 32) {
+    const __mmask16 k0 = mask16(vis - j), k1 = mask16(vis - j - 16);
+    const __m512 s0 = _mm512_maskz_loadu_ps(k0, S + j), s1 = _mm512_maskz_loadu_ps(k1, S + j + 16);
+    mx = _mm512_mask_max_ps(mx, k0, mx, s0);
+    mx = _mm512_mask_max_ps(mx, k1, mx, s1);
+    const __m512 e0 = _mm512_maskz_mov_ps(k0, exp2_ps(_mm512_fmsub_ps(vc, s0, vm)));
+    const __m512 e1 = _mm512_maskz_mov_ps(k1, exp2_ps(_mm512_fmsub_ps(vc, s1, vm)));
+    sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
+    _mm512_storeu_si512(P + j, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+  }
+  *smax = _mm512_reduce_max_ps(mx);
+  return _mm512_reduce_add_ps(sum);
+}
+
+/* Softmax of one score row against the running state (m2: maximum applied so far, log2 units; l: sum), written to
+ * P as bfloat16: columns [0, vis) are visible, [vis, n32) become zeros. One pass with the running maximum when the
+ * row's new scores stay within RESCALE_SLACK of it; otherwise (and on the row's first block) the maximum moves, the
+ * accumulator row O (DO floats) and l are rescaled, and the pass is redone. */
+static inline void softmax_row(const float *S, int64_t vis, int64_t n32, float c, float *m2, float *l, float *O,
                                int64_t DO, uint16_t *P) {
   if (vis <= 0) {
     memset(P, 0, 2 * (size_t)n32);
     return;
   }
-  const float mx = row_max(S, vis) * c;
-  if (mx > *m2 + RESCALE_SLACK) {
-    const float alpha = exp2f(*m2 - mx); /* 0 the first time (m2 = -inf) */
-    *l *= alpha;
-    const __m512 va = _mm512_set1_ps(alpha);
-    for (int64_t d = 0; d < DO; d += 16) _mm512_storeu_ps(O + d, _mm512_mul_ps(_mm512_loadu_ps(O + d), va));
-    *m2 = mx;
+  float smax;
+  if (*m2 != -INFINITY) {
+    const float sum = exp_row(S, vis, n32, c, *m2, P, &smax);
+    if (!(smax * c > *m2 + RESCALE_SLACK)) {
+      *l += sum;
+      return;
+    }
+  } else {
+    smax = row_max(S, vis);
   }
-  const __m512 vc = _mm512_set1_ps(c), vs = _mm512_set1_ps(*m2);
-  __m512 sum = _mm512_setzero_ps();
-  for (int64_t j = 0; j < n32; j += 32) {
-    const __mmask16 k0 = mask16(vis - j), k1 = mask16(vis - j - 16);
-    const __m512 e0 = _mm512_maskz_mov_ps(k0, exp2_ps(_mm512_fmsub_ps(vc, _mm512_maskz_loadu_ps(k0, S + j), vs)));
-    const __m512 e1 =
-        _mm512_maskz_mov_ps(k1, exp2_ps(_mm512_fmsub_ps(vc, _mm512_maskz_loadu_ps(k1, S + j + 16), vs)));
-    sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
-    _mm512_storeu_si512(P + j, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
-  }
-  *l += _mm512_reduce_add_ps(sum);
+  const float mx = smax * c;
+  const float alpha = exp2f(*m2 - mx); /* 0 the first time (m2 = -inf) */
+  *l *= alpha;
+  const __m512 va = _mm512_set1_ps(alpha);
+  for (int64_t d = 0; d < DO; d += 16) _mm512_storeu_ps(O + d, _mm512_mul_ps(_mm512_loadu_ps(O + d), va));
+  *m2 = mx;
+  *l += exp_row(S, vis, n32, c, mx, P, &smax);
 }
 
 void t3d__attn_amx_fwd(const t3d__attn_problem *p, int64_t begin, int64_t end, void *scratch) {
@@ -332,13 +362,13 @@ void t3d__attn_amx_fwd(const t3d__attn_problem *p, int64_t begin, int64_t end, v
       } else {
         pack_block(p, unit * p->Sk + k0, min64(BK, p->Sk - k0), Kp, Vp);
       }
-      amx_gemm((int)(mq16 / 16), (int)(pad16(nkv) / 16), (int)(DP / 32), Qb, 2 * DP, Kb, 4 * LDKW, S, 4 * LDS, 0);
+      gemm_fwd_qk((int)(mq16 / 16), (int)(pad16(nkv) / 16), (int)(DP / 32), Qb, 2 * DP, Kb, 4 * LDKW, S, 4 * LDS, 0);
       const int64_t diag = p->q_start + q0 - (p->k_start + k0) + 1; /* keys row 0 sees, when causal */
       for (int64_t i = 0; i < mq; i++) {
         const int64_t vis = p->causal ? min64(nkv, diag + i) : nkv;
         softmax_row(S + i * LDS, vis, n32, c, m2 + i, l + i, O + i * LDO, DO, Pb + i * LDP);
       }
-      amx_gemm((int)(mq16 / 16), (int)(DO / 16), (int)(n32 / 32), Pb, 2 * LDP, Vb, 4 * LV, O, 4 * LDO, 1);
+      gemm_fwd_pv((int)(mq16 / 16), (int)(DO / 16), (int)(n32 / 32), Pb, 2 * LDP, Vb, 4 * LV, O, 4 * LDO, 1);
     }
 
     for (int64_t i = 0; i < mq; i++) {
@@ -490,9 +520,9 @@ void t3d__attn_amx_bwd(const t3d__attn_problem *p, int64_t begin, int64_t end, v
           const int64_t mq = min64(BQB, p->Sq - q0), mq16 = pad16(mq), mq32 = pad32(mq);
           const int64_t cs = qlo + (q0 - qlo) / QCH * QCH; /* this chunk's first query */
           uint32_t *Pwq = Pw + (q0 - cs) / 2 * LDKB, *dSwq = dSw + (q0 - cs) / 2 * LDKB;
-          amx_gemm((int)(mq16 / 16), (int)(nk16 / 16), (int)(DP / 32), Qp + q0 * DP, 2 * DP, KT, 4 * LDKB, S,
+          gemm_bwd_sdp((int)(mq16 / 16), (int)(nk16 / 16), (int)(DP / 32), Qp + q0 * DP, 2 * DP, KT, 4 * LDKB, S,
                    4 * LDKB, 0);
-          amx_gemm((int)(mq16 / 16), (int)(nk16 / 16), (int)(DP / 32), dOp + q0 * DP, 2 * DP, VT, 4 * LDKB, dP,
+          gemm_bwd_sdp((int)(mq16 / 16), (int)(nk16 / 16), (int)(DP / 32), dOp + q0 * DP, 2 * DP, VT, 4 * LDKB, dP,
                    4 * LDKB, 0);
           /* P = exp(scale S - lse), dS = P (dP - delta), rows in pairs; rows past mq and keys past the visible
            * ones are zeros. */
@@ -532,10 +562,10 @@ void t3d__attn_amx_bwd(const t3d__attn_problem *p, int64_t begin, int64_t end, v
            * through scratch. */
           float *dq_rows = dq_acc + (rowbase + q0) * D;
           if (mq == mq16 && D == DO) {
-            amx_gemm((int)(mq16 / 16), (int)(DO / 16), (int)(nk32 / 32), dSb, 2 * LDSB, Kk, 4 * LV, dq_rows, 4 * D,
+            gemm_bwd_dq((int)(mq16 / 16), (int)(DO / 16), (int)(nk32 / 32), dSb, 2 * LDSB, Kk, 4 * LV, dq_rows, 4 * D,
                      1);
           } else {
-            amx_gemm((int)(mq16 / 16), (int)(DO / 16), (int)(nk32 / 32), dSb, 2 * LDSB, Kk, 4 * LV, dQ, 4 * LDQ,
+            gemm_bwd_dq((int)(mq16 / 16), (int)(DO / 16), (int)(nk32 / 32), dSb, 2 * LDSB, Kk, 4 * LV, dQ, 4 * LDQ,
                      0);
             for (int64_t i = 0; i < mq; i++) {
               float *acc = dq_rows + i * D;
@@ -551,8 +581,8 @@ void t3d__attn_amx_bwd(const t3d__attn_problem *p, int64_t begin, int64_t end, v
            * block to 32). */
           if (q0 + BQB >= p->Sq || q0 + BQB - cs >= QCH) {
             const int kt = (int)((q0 - cs + mq32) / 32);
-            amx_gemm((int)(DO / 16), (int)(nk16 / 16), kt, dOT + cs, 2 * LQT, Pw, 4 * LDKB, dVt, 4 * LDKB, 1);
-            amx_gemm((int)(DO / 16), (int)(nk16 / 16), kt, QT + cs, 2 * LQT, dSw, 4 * LDKB, dKt, 4 * LDKB, 1);
+            gemm_bwd_kv((int)(DO / 16), (int)(nk16 / 16), kt, dOT + cs, 2 * LQT, Pw, 4 * LDKB, dVt, 4 * LDKB, 1);
+            gemm_bwd_kv((int)(DO / 16), (int)(nk16 / 16), kt, QT + cs, 2 * LQT, dSw, 4 * LDKB, dKt, 4 * LDKB, 1);
           }
         }
       }
