@@ -2,16 +2,53 @@
 
 from __future__ import annotations
 
+import os
+import sys
+import warnings
+
 import torch.distributed as dist
 
 from . import _C
 
 BACKEND_NAME = "t3d"
 _registered = False
+_integrations_done = False
+
+
+def _enable_cpu_integrations() -> None:
+    """Once per process, when its first t3d group is created: what a script written for NCCL needs from t3d to run
+    its 3D workflow on CPU, without importing anything from t3d (it may only have changed the backend string).
+
+    - t3d.cp: torch's context_parallel on CPU SDPA (torch 2.9 handles only the CUDA kernels). It adds handlers for
+      CPU ops that torch otherwise refuses, so nothing that worked changes.
+    - t3d.hf's loading fix, when the script has already imported transformers: from_pretrained(device_mesh=<CPU
+      mesh>, tp_plan=...) in transformers 4.57 reads weights as CUDA device N on a CPU mesh (fix_cpu_tp_loading).
+      transformers is never imported from here.
+
+    T3D_AUTO_INTEGRATIONS=0 turns this off; a failure warns and leaves the group working.
+    """
+    global _integrations_done
+    if _integrations_done:
+        return
+    _integrations_done = True
+    if os.environ.get("T3D_AUTO_INTEGRATIONS", "1") == "0":
+        return
+    try:
+        from . import cp
+
+        cp.enable()
+    except Exception as e:  # a torch without the private hooks: t3d.cp's own error says which
+        warnings.warn(f"t3d: context_parallel on CPU is not available: {e}", stacklevel=2)
+    if "transformers" in sys.modules:
+        try:
+            from . import hf  # noqa: F401  (applies fix_cpu_tp_loading on import)
+        except Exception as e:
+            warnings.warn(f"t3d: the transformers integration (t3d.hf) could not be loaded: {e}", stacklevel=2)
 
 
 def _create(dist_backend_opts, backend_options):
     """Creator torch calls once per process group (for all of its devices): builds the C++ backend."""
+    _enable_cpu_integrations()
     timeout = dist_backend_opts.timeout
     timeout_s = timeout.total_seconds() if hasattr(timeout, "total_seconds") else float(timeout)
     if backend_options is not None and getattr(backend_options, "_timeout", None) is not None:

@@ -3,8 +3,8 @@
 torch's context_parallel(mesh, buffers=..., buffer_seq_dims=...) wraps F.scaled_dot_product_attention's inputs in
 DTensors sharded on the sequence and sends SDPA's fused ops to its ring-attention handler table. In torch 2.9 that
 table knows only the CUDA kernels (flash, efficient, cudnn); on CPU, SDPA lowers to
-aten._scaled_dot_product_flash_attention_for_cpu (and its backward), which then fails with "CP only supports flash
-attention and memory efficient attention now".
+aten._scaled_dot_product_flash_attention_for_cpu (and its backward), which then fails ("Operator
+aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy registered").
 
 enable() adds handlers for the two CPU ops to that table (the private `customized_ops` dict of
 torch.distributed.tensor.experimental._attention, read each time the context is entered). They run
@@ -14,8 +14,9 @@ global positions of each rank's chunks, so results equal non-parallel SDPA (up t
 balancing (round-robin: rank r holds chunks r and 2W-1-r) maps to layout "zigzag", no load balancing to
 "contiguous".
 
-Enabling is explicit: call t3d.cp.enable() (importing t3d.cp does it too) before entering context_parallel on CPU
-tensors. `import t3d` alone does not, to keep that import free of DTensor. Not supported (raises): attn_mask,
+Enabling: importing t3d.cp (or calling t3d.cp.enable()) does it, and so does creating the first process group on
+backend t3d (unless T3D_AUTO_INTEGRATIONS=0), so a script that only changed its backend string to "t3d" gets it.
+`import t3d` alone does not, to keep that import (which runs during `import torch`) free of DTensor. Not supported (raises): attn_mask,
 dropout, a mesh of more than one dimension.
 """
 

@@ -87,3 +87,32 @@ def test_enable_disable_registers_cpu_ops():
     assert op not in _attention.customized_ops
     t3d.cp.enable()
     assert op in _attention.customized_ops and t3d.cp.is_enabled()
+
+
+def _cp_without_import(rank, ws):
+    import sys
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental import _attention
+    from torch.distributed.tensor.experimental._attention import context_parallel_unshard
+
+    # The script never imported t3d: creating the t3d group enabled the CPU handlers.
+    assert torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default in _attention.customized_ops
+    assert "t3d.cp" in sys.modules
+    mesh = init_device_mesh("cpu", (ws,), mesh_dim_names=("cp",))
+    torch.manual_seed(0)
+    model = TinyAttention()
+    x = torch.randn(1, 8 * ws, 32)
+    ref = model(x, True).detach()
+    xc = x.clone()
+    with context_parallel(mesh, buffers=[xc], buffer_seq_dims=[1]):
+        out = model(xc, True)
+        full = context_parallel_unshard(mesh, [out.detach()], [1])[0]
+    torch.testing.assert_close(full, ref, atol=2e-5, rtol=2e-5)
+    return True
+
+
+@pytest.mark.timeout(150)
+def test_context_parallel_cpu_works_for_a_script_that_only_changed_the_backend():
+    assert all(_dist.run_world(_cp_without_import, 2, timeout=120, import_t3d=False))

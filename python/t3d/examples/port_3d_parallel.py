@@ -31,17 +31,13 @@ UPSTREAM_SHA256 = "1dee665dc9a7f691530c92a7f401db78b1390d648956ddfbbc23504411984
 EDITS: list[tuple[str, str, str]] = [
     (
         "import wandb\n",
-        "import t3d.cp  # noqa: F401  t3d: torch's context_parallel on CPU SDPA (needed when CP_SIZE > 1)\n"
-        "import t3d.hf  # noqa: F401  t3d: fixes from_pretrained(device_mesh=<CPU mesh>, tp_plan=...)\n"
         "from unittest import mock  # t3d: wandb is not installed; a no-op stand-in (the logger prints each step)\n"
         "wandb = mock.MagicMock()  # t3d\n",
         "imports: wandb is not a dependency here (and runs offline), so `wandb` becomes a no-op stand-in; the "
-        "logger still prints every step. `import t3d.cp` registers t3d's ring attention for the CPU SDPA op, which "
-        "torch 2.9's context_parallel does not handle (CP_SIZE > 1 fails with \"Operator "
-        "aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy registered\"). "
-        "`import t3d.hf` fixes transformers 4.57's from_pretrained(device_mesh=tp_mesh, tp_plan=...) on a CPU mesh, "
-        "which otherwise fails on every rank, in every layout, with \"Found no NVIDIA driver\" "
-        "(t3d.hf.fix_cpu_tp_loading).",
+        "logger still prints every step. Nothing from t3d is imported: creating the first t3d process group enables "
+        "t3d's context_parallel handlers for CPU SDPA (torch 2.9's context_parallel knows only the CUDA kernels) "
+        "and, transformers being imported already, t3d.hf's fix for from_pretrained(device_mesh=<CPU mesh>, "
+        "tp_plan=...), which in transformers 4.57 otherwise fails on every rank with \"Found no NVIDIA driver\".",
     ),
     (
         "    num_train_steps = 10000  # Number of training steps\n",
