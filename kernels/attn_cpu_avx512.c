@@ -42,16 +42,16 @@ static inline __attribute__((always_inline)) void tile_f32(const int MR, const i
     }
 }
 
-#define TILE_ROWS(NV, FULL, ...)                     \
-  switch (mr) {                                \
-    case 1: tile_f32(1, NV, FULL, __VA_ARGS__); break; \
-    case 2: tile_f32(2, NV, FULL, __VA_ARGS__); break; \
-    case 3: tile_f32(3, NV, FULL, __VA_ARGS__); break; \
-    case 4: tile_f32(4, NV, FULL, __VA_ARGS__); break; \
-    case 5: tile_f32(5, NV, FULL, __VA_ARGS__); break; \
-    case 6: tile_f32(6, NV, FULL, __VA_ARGS__); break; \
-    case 7: tile_f32(7, NV, FULL, __VA_ARGS__); break; \
-    default: tile_f32(8, NV, FULL, __VA_ARGS__); break; \
+#define TILE_ROWS(NV, FULL, ...)                              \
+  switch (mr) {                                               \
+    case 1: tile_f32(1, NV, FULL, __VA_ARGS__); break;        \
+    case 2: tile_f32(2, NV, FULL, __VA_ARGS__); break;        \
+    case 3: tile_f32(3, NV, FULL, __VA_ARGS__); break;        \
+    case 4: tile_f32(4, NV, FULL, __VA_ARGS__); break;        \
+    case 5: tile_f32(5, NV, FULL, __VA_ARGS__); break;        \
+    case 6: tile_f32(6, NV, FULL, __VA_ARGS__); break;        \
+    case 7: tile_f32(7, NV, FULL, __VA_ARGS__); break;        \
+    default: tile_f32(8, NV, FULL, __VA_ARGS__); break;       \
   }
 
 /* C (+)= A B with A element (i, p) at A[i sar + p sap]. */
