@@ -15,6 +15,7 @@
 
 #define ATTN_LOG2E 1.4426950408889634f
 #define ATTN_LN2 0.6931471805599453f
+#define ATTN_RESCALE_SLACK 8.0f
 
 static inline int64_t ATTN_SUFFIX(min64)(int64_t a, int64_t b) { return a < b ? a : b; }
 static inline int64_t ATTN_SUFFIX(max64)(int64_t a, int64_t b) { return a > b ? a : b; }
@@ -214,24 +215,27 @@ static void ATTN_SUFFIX(fwd)(const t3d__attn_problem *p, int64_t begin, int64_t 
       {
         mk_gemm((int)mq, (int)nk, (int)D, Qa, (int)D, (const float *)Kblk, (int)LDK, S, BK, 0);
       }
-      if (p->causal) ATTN_SUFFIX(mask_tile)(p, S, BK, q0, mq, k0, nk);
-
-      /* Online softmax: rescale what was accumulated when the row maximum grows. */
+      /* Online softmax over the keys each row sees (causal: a prefix of the tile; the rest become zeros). The
+       * running maximum only moves when a row's scores pass it by more than 2^ATTN_RESCALE_SLACK, so most blocks
+       * skip rescaling the accumulator row; exact either way, as l and lse use the maximum actually applied. */
+      const int64_t diag = p->q_start + q0 - (p->k_start + k0) + 1;
       for (int64_t i = 0; i < mq; i++) {
         float *Si = S + i * BK;
-        const float mx = mk_rowmax(Si, (int)nk);
+        const int64_t vis = p->causal ? ATTN_SUFFIX(max64)(0, ATTN_SUFFIX(min64)(nk, diag + i)) : nk;
+        const float mx = vis > 0 ? mk_rowmax(Si, (int)vis) : -INFINITY;
         if (mx == -INFINITY) {
           memset(Si, 0, sizeof(float) * (size_t)nk);
         } else {
-          const float mnew = fmaxf(m2[i], mx * c);
-          if (mnew != m2[i]) {
-            const float alpha = exp2f(m2[i] - mnew);
+          if (mx * c > m2[i] + ATTN_RESCALE_SLACK) {
+            const float mnew = mx * c;
+            const float alpha = exp2f(m2[i] - mnew); /* 0 on the row's first block */
             l[i] *= alpha;
             float *Oi = O + i * D;
             for (int64_t d = 0; d < D; d++) Oi[d] *= alpha;
             m2[i] = mnew;
           }
-          l[i] += mk_exp2_row(Si, (int)nk, c, mnew);
+          l[i] += mk_exp2_row(Si, (int)vis, c, m2[i]);
+          if (vis < nk) memset(Si + vis, 0, sizeof(float) * (size_t)(nk - vis));
         }
 #if ATTN_HAS_BF16DOT
         if (dot16) {
