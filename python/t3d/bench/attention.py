@@ -122,6 +122,21 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def _kernel_paths() -> dict:
+    """The CPU kernel path each dtype takes (t3d_attn_isa_describe of libt3d_kernels), e.g. avx512 / amx."""
+    try:
+        import ctypes
+
+        import t3d
+
+        lib = ctypes.CDLL(str(Path(t3d.__file__).resolve().parent / "libt3d_kernels.so"))
+        lib.t3d_attn_isa_describe.restype = ctypes.c_char_p
+        lib.t3d_attn_isa_describe.argtypes = [ctypes.c_int, ctypes.c_int]
+        return {name: lib.t3d_attn_isa_describe(0, code).decode() for name, code in (("float32", 0), ("bfloat16", 1))}
+    except (OSError, AttributeError):
+        return {}
+
+
 def _row(c, r) -> str:
     shape = f"{c['heads']}/{c['kv_heads']}"
     return (f"| {c['dtype']:<8} | {'yes' if c['causal'] else 'no ':<3} | {c['seq']:>5} | {shape:>5} | {c['head_dim']:>3} "
@@ -158,6 +173,7 @@ def run(args) -> int:
         "torch": torch.__version__,
         "t3d": t3d.__version__,
         "cpu_features": t3d._cpu_features(),
+        "t3d_kernel_paths": _kernel_paths(),
         "load_avg_before": [round(x, 2) for x in load_before],
         "quick": bool(args.quick),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -213,7 +229,8 @@ def _markdown(meta, summary, rows) -> str:
         "sequence so the long ones stay affordable.",
         "",
         f"- CPU: {meta['cpu']}, {meta['cores']} cores, {meta['threads']} threads; features {meta['cpu_features']}",
-        f"- torch {meta['torch']}, t3d {meta['t3d']}",
+        f"- torch {meta['torch']}, t3d {meta['t3d']}; t3d CPU kernel paths "
+        + (", ".join(f"{k} {v}" for k, v in meta.get("t3d_kernel_paths", {}).items()) or "unknown"),
         f"- load average before {meta['load_avg_before']}, after {meta['load_avg_after']} "
         "(1, 5, 15 min; other work shared the machine when above the core count); run took "
         f"{meta['wall_s']} s",
