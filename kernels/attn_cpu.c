@@ -213,18 +213,9 @@ static void scratch_free(void *ptr) {
 }
 
 /* Body handed to the caller's parallel-for: one scratch per call (at::parallel_for calls it once per thread). */
-static void run_body_ext(void *arg, int64_t begin, int64_t end) {
-  run_t *r = (run_t *)arg;
-  void *scratch = scratch_alloc(r->scratch_bytes);
-  if (r->scratch_bytes && !scratch) {
-    atomic_store(&r->err, T3D_ATTN_ERR_NO_MEMORY);
-    return;
-  }
-  r->fn(r->ctx, begin, end, scratch);
-  scratch_free(scratch);
-}
-
-/* Internal team: tasks are claimed one at a time, so uneven (causal) tasks balance themselves. */
+/* Tasks are claimed one at a time from a shared counter, so uneven (causal) tasks and threads the OS delays balance
+ * themselves: the internal team runs this, and so does each chunk of the caller's parallel-for, which is asked for
+ * one chunk per thread and ignores the chunk bounds (a chunk that starts late finds the work already done). */
 static void *run_worker(void *arg) {
   run_t *r = (run_t *)arg;
   void *scratch = scratch_alloc(r->scratch_bytes);
@@ -239,6 +230,12 @@ static void *run_worker(void *arg) {
   }
   scratch_free(scratch);
   return NULL;
+}
+
+static void run_body_ext(void *arg, int64_t begin, int64_t end) {
+  (void)begin;
+  (void)end;
+  run_worker(arg);
 }
 
 static int exec_threads(const t3d_attn_exec_t *exec) {
@@ -259,12 +256,14 @@ static int run_tasks(const t3d_attn_exec_t *exec, int64_t n, task_fn fn, void *c
   r.n = n;
   atomic_init(&r.next, 0);
   atomic_init(&r.err, T3D_ATTN_OK);
-  if (exec && exec->parallel_for) {
-    exec->parallel_for(exec->parallel_ctx, n, run_body_ext, &r);
-    return atomic_load(&r.err);
-  }
   int64_t nt = exec_threads(exec);
   if (nt > n) nt = n;
+  if (exec && exec->parallel_for) {
+    exec->parallel_for(exec->parallel_ctx, nt, run_body_ext, &r);
+    /* Every task ran, unless a chunk could not get its scratch (err says so) or the parallel-for ran no chunk. */
+    if (atomic_load(&r.err) == T3D_ATTN_OK && atomic_load(&r.next) < n) atomic_store(&r.err, T3D_ATTN_ERR_NO_MEMORY);
+    return atomic_load(&r.err);
+  }
   if (nt > 256) nt = 256;
   pthread_t tids[256];
   int64_t started = 0;

@@ -19,16 +19,14 @@ t3d_attn_dtype_t attnDtype(const at::Tensor& t) {
   return t.scalar_type() == at::kBFloat16 ? T3D_ATTN_BFLOAT16 : T3D_ATTN_FLOAT32;
 }
 
-// The kernels' parallel-for hook, run on ATen's intra-op pool so that torch.set_num_threads governs it too.
-void atenParallelFor(void* /*ctx*/, int64_t n, t3d_attn_body_fn body, void* arg) {
-  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) { body(arg, begin, end); });
-}
-
+// The kernels run on their own small pthread team, sized by torch's intra-op thread count so that
+// torch.set_num_threads governs it. Not at::parallel_for: with ATen's OpenMP backend that template runs its body
+// inline unless the calling file is itself compiled with OpenMP, which this one is not (it ran single-threaded).
 t3d_attn_exec_t atenExec() {
   t3d_attn_exec_t e{};
-  e.parallel_for = &atenParallelFor;
+  e.parallel_for = nullptr;
   e.parallel_ctx = nullptr;
-  e.nthreads = at::get_num_threads();
+  e.nthreads = at::in_parallel_region() ? 1 : at::get_num_threads();
   e.isa = T3D_ATTN_ISA_AUTO;
   return e;
 }
