@@ -57,9 +57,13 @@ static inline __attribute__((always_inline)) void tile_f32(const int MR, const i
 /* C (+)= A B with A element (i, p) at A[i sar + p sap]. */
 static void gemm_strided(int m, int n, int k, const float *A, int64_t sar, int64_t sap, const float *B, int ldb,
                          float *C, int ldc, int acc) {
-  for (int j = 0; j < n; j += 48) {
-    const int nv = (n - j) >= 48 ? 3 : (n - j + 15) / 16;
-    const __mmask16 lastm = tail_mask16(n - j - 16 * (nv - 1));
+  /* Panels of 48 columns, but 32 + 32 rather than 48 + 16 where 64 remain (head_dim 64): a one-vector panel would
+   * spend a broadcast per FMA. */
+  for (int j = 0, w; j < n; j += w) {
+    const int rem = n - j;
+    w = rem > 64 || rem == 48 ? 48 : rem > 32 ? 32 : rem;
+    const int nv = (w + 15) / 16;
+    const __mmask16 lastm = tail_mask16(w - 16 * (nv - 1));
     for (int i = 0; i < m; i += 8) {
       const int mr = m - i >= 8 ? 8 : m - i;
       const float *Ai = A + (int64_t)i * sar;
@@ -68,6 +72,8 @@ static void gemm_strided(int m, int n, int k, const float *A, int64_t sar, int64
         TILE_ROWS(3, 1, lastm, k, Ai, sar, sap, B + j, ldb, Ci, ldc, acc)
       } else if (nv == 3) {
         TILE_ROWS(3, 0, lastm, k, Ai, sar, sap, B + j, ldb, Ci, ldc, acc)
+      } else if (nv == 2 && lastm == (__mmask16)0xffff) {
+        TILE_ROWS(2, 1, lastm, k, Ai, sar, sap, B + j, ldb, Ci, ldc, acc)
       } else if (nv == 2) {
         TILE_ROWS(2, 0, lastm, k, Ai, sar, sap, B + j, ldb, Ci, ldc, acc)
       } else {
