@@ -67,6 +67,12 @@ static void ATTN_SUFFIX(mask_tile)(const t3d__attn_problem *p, float *S, int64_t
   }
 }
 
+/* float32 V is read in place by the PV product unless its rows are a multiple of 512 bytes apart (then the rows of a
+ * panel would crowd a few L1 sets, and the packed copy with its padded stride is used). */
+static inline int ATTN_SUFFIX(v_direct)(const t3d__attn_problem *p) {
+  return p->dtype == T3D_ATTN_FLOAT32 && (p->D % 128) != 0;
+}
+
 /* Packs keys [r0, r0 + nk) of K and V (rows of the [*, D] tensors) for the forward GEMMs: Kdst gets K^T with leading
  * dimension LDK, Vdst V with leading dimension LDV; with dot16 both hold bfloat16 pairs (K^T paired along D, V along
  * the keys, zero-padded), otherwise float32. */
@@ -119,6 +125,7 @@ static void ATTN_SUFFIX(fwd_pack_block)(const t3d__attn_problem *p, int dot16, i
         for (int64_t j = 0; j < jn; j++) dst[j] = src[(j0 + j) * D + d];
       }
     }
+    if (ATTN_SUFFIX(v_direct)(p)) return;
     const float *vs = (const float *)p->v + r0 * D;
     for (int64_t j = 0; j < nk; j++) memcpy(Vf + j * LDV, vs + j * D, sizeof(float) * (size_t)D);
   } else {
@@ -250,7 +257,10 @@ static void ATTN_SUFFIX(fwd)(const t3d__attn_problem *p, int64_t begin, int64_t 
       } else
 #endif
       {
-        mk_gemm((int)mq, (int)D, (int)nk, S, BK, (const float *)Vblk, (int)LDV, O, (int)D, 1);
+        if (ATTN_SUFFIX(v_direct)(p))
+          mk_gemm((int)mq, (int)D, (int)nk, S, BK, (const float *)p->v + (krow0 + k0) * D, (int)D, O, (int)D, 1);
+        else
+          mk_gemm((int)mq, (int)D, (int)nk, S, BK, (const float *)Vblk, (int)LDV, O, (int)D, 1);
       }
     }
 
