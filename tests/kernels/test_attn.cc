@@ -377,24 +377,46 @@ TEST(AttnExec, ParallelForHookAndThreadCountsGiveSameResult) {
 }
 
 TEST(AttnExec, IsaPathsAgree) {
-  Shape s{1, 4, 2, 130, 260, 128, true, 130, 0, 2.0};
-  for (t3d_attn_dtype_t dt : {T3D_ATTN_FLOAT32, T3D_ATTN_BFLOAT16}) {
-    Problem pr(s, dt, 11);
-    Buf ref(dt, pr.q.size());
-    std::vector<float> lref;
-    t3d_attn_exec_t ex = {};
-    ex.isa = T3D_ATTN_ISA_SCALAR;
-    pr.forward(&ex, ref, lref);
-    for (t3d_attn_isa_t isa : isas_here()) {
-      SCOPED_TRACE(t3d_attn_isa_describe(isa, dt));
-      ex.isa = isa;
-      Buf out(dt, pr.q.size());
-      std::vector<float> l;
-      pr.forward(&ex, out, l);
-      expect_close("out vs scalar", out, ref.values(), dt == T3D_ATTN_FLOAT32 ? 1e-5 : 2e-2);
-      for (size_t i = 0; i < l.size(); i++) ASSERT_NEAR(l[i], lref[i], 1e-3);
+  // The second shape has the largest head_dim (the AMX path pads it to no more tiles than its buffers hold) and
+  // also compares the backward.
+  for (const Shape &s :
+       {Shape{1, 4, 2, 130, 260, 128, true, 130, 0, 2.0}, Shape{1, 2, 1, 70, 150, 256, true, 80, 0, 1.0}})
+    for (t3d_attn_dtype_t dt : {T3D_ATTN_FLOAT32, T3D_ATTN_BFLOAT16}) {
+      Problem pr(s, dt, 11);
+      Buf ref(dt, pr.q.size());
+      std::vector<float> lref;
+      t3d_attn_exec_t ex = {};
+      ex.isa = T3D_ATTN_ISA_SCALAR;
+      pr.forward(&ex, ref, lref);
+      const bool bwd = s.D == 256;
+      Buf rdq(dt, pr.q.size()), rdk(dt, pr.k.size()), rdv(dt, pr.k.size());
+      if (bwd) {
+        ASSERT_EQ(t3d_attn_backward(dt, pr.dout.data(), pr.q.data(), pr.k.data(), pr.v.data(), ref.data(), lref.data(),
+                                    rdq.data(), rdk.data(), rdv.data(), s.B, s.Hq, s.Hkv, s.Sq, s.Sk, s.D, s.causal,
+                                    NAN, s.qs, s.ks, &ex),
+                  T3D_ATTN_OK);
+      }
+      for (t3d_attn_isa_t isa : isas_here()) {
+        SCOPED_TRACE(t3d_attn_isa_describe(isa, dt));
+        ex.isa = isa;
+        Buf out(dt, pr.q.size());
+        std::vector<float> l;
+        pr.forward(&ex, out, l);
+        const double tol = dt == T3D_ATTN_FLOAT32 ? 1e-5 : 2e-2;
+        expect_close("out vs scalar", out, ref.values(), tol);
+        for (size_t i = 0; i < l.size(); i++) ASSERT_NEAR(l[i], lref[i], 1e-3);
+        if (!bwd) continue;
+        Buf dq(dt, pr.q.size()), dk(dt, pr.k.size()), dv(dt, pr.k.size());
+        ASSERT_EQ(t3d_attn_backward(dt, pr.dout.data(), pr.q.data(), pr.k.data(), pr.v.data(), ref.data(),
+                                    lref.data(), dq.data(), dk.data(), dv.data(), s.B, s.Hq, s.Hkv, s.Sq, s.Sk, s.D,
+                                    s.causal, NAN, s.qs, s.ks, &ex),
+                  T3D_ATTN_OK);
+        const double gtol = dt == T3D_ATTN_FLOAT32 ? 5e-5 : 2e-2;
+        expect_close("dq vs scalar", dq, rdq.values(), gtol);
+        expect_close("dk vs scalar", dk, rdk.values(), gtol);
+        expect_close("dv vs scalar", dv, rdv.values(), gtol);
+      }
     }
-  }
 }
 
 TEST(AttnExec, EnvVarForcesPath) {
