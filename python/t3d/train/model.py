@@ -1,5 +1,5 @@
 """The embedded model: a tiny Llama built from a LlamaConfig, saved once to a cache dir, then loaded the way
-transformers' examples/3D_parallel.py loads it (from_pretrained with a tensor-parallel mesh), with a CPU workaround.
+transformers' examples/3D_parallel.py loads it (from_pretrained with a tensor-parallel mesh; on CPU with t3d.hf's fix).
 """
 
 from __future__ import annotations
@@ -81,15 +81,16 @@ def _upstream_tp_load_possible(device: torch.device) -> tuple[bool, str]:
 
     transformers 4.57 turns a TP mesh into device_map=torch.device(f"{mesh.device_type}:{LOCAL_RANK}"). A device map
     needs `accelerate` (a ValueError without it), and on CPU the index reaches safetensors' safe_open as a bare int,
-    which it takes for a CUDA ordinal ("Found no NVIDIA driver"), so on CPU that path fails on every rank.
+    which it takes for a CUDA ordinal ("Found no NVIDIA driver"); t3d.hf.fix_cpu_tp_loading repairs that.
     """
     from transformers.utils import is_accelerate_available
 
-    if device.type == "cpu":
-        return False, ("transformers 4.57 maps a CPU TP mesh to device_map='cpu:LOCAL_RANK', which safetensors "
-                       "reads as a CUDA device index")
     if not is_accelerate_available():
         return False, "transformers needs `accelerate` for the device_map that tp_plan implies"
+    if device.type == "cpu":
+        from t3d.hf import fix_cpu_tp_loading
+
+        fix_cpu_tp_loading()  # idempotent; a no-op where transformers has no such bug
     return True, ""
 
 
