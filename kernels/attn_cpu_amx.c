@@ -217,21 +217,62 @@ static inline int64_t kwords(int64_t D) { return pad32(D) / 2 * LDKW; }
 
 int64_t t3d__attn_amx_fwd_block_bytes(int64_t D) { return 4 * (kwords(D) + (BK / 2) * ldvw(D)); }
 
-static void pack_block(const t3d__attn_problem *p, int64_t r0, int64_t nk, uint32_t *Kp, uint32_t *Vp) {
-  const int64_t D = p->D, DP = pad32(D), DO = pad16(D), LV = ldvw(D);
-  const uint16_t *ks = (const uint16_t *)p->k + r0 * D, *vs = (const uint16_t *)p->v + r0 * D;
+/* dst[c * ldd + r] = src[r * lds + c] for a 16 x 16 block of 32-bit words. */
+static inline void transpose16_u32(const uint32_t *src, int64_t lds, uint32_t *dst, int64_t ldd) {
+  __m512i r[16], t[16];
+  for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512(src + i * lds);
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  /* u[4g + k], lane L = column 4L + k of rows 4g .. 4g + 3 */
+  for (int g = 0; g < 4; g++) {
+    const __m512i a = t[4 * g], b = t[4 * g + 1], c = t[4 * g + 2], d = t[4 * g + 3];
+    r[4 * g] = _mm512_unpacklo_epi64(a, c);
+    r[4 * g + 1] = _mm512_unpackhi_epi64(a, c);
+    r[4 * g + 2] = _mm512_unpacklo_epi64(b, d);
+    r[4 * g + 3] = _mm512_unpackhi_epi64(b, d);
+  }
+  for (int k = 0; k < 4; k++) {
+    const __m512i x0 = _mm512_shuffle_i32x4(r[k], r[4 + k], 0x44), x1 = _mm512_shuffle_i32x4(r[k], r[4 + k], 0xee);
+    const __m512i y0 = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0x44);
+    const __m512i y1 = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0xee);
+    _mm512_storeu_si512(dst + k * ldd, _mm512_shuffle_i32x4(x0, y0, 0x88));
+    _mm512_storeu_si512(dst + (4 + k) * ldd, _mm512_shuffle_i32x4(x0, y0, 0xdd));
+    _mm512_storeu_si512(dst + (8 + k) * ldd, _mm512_shuffle_i32x4(x1, y1, 0x88));
+    _mm512_storeu_si512(dst + (12 + k) * ldd, _mm512_shuffle_i32x4(x1, y1, 0xdd));
+  }
+}
+
+/* K^T (or V^T) in pairs along D: dst[pp * ldw + j] = (src[j][2 pp], src[j][2 pp + 1]) for keys j < nk, zero for
+ * nk <= j < ncols and for pairs past D; (pad32(D) / 2) rows. src: nk rows of D bfloat16. 16 x 16 word blocks go
+ * through the vector transpose. */
+static void pack_pairs_t(const uint16_t *src, int64_t D, int64_t nk, uint32_t *dst, int64_t ldw, int64_t ncols) {
+  const int64_t DP = pad32(D);
+  int64_t jv = 0; /* keys [0, jv) done by the vector transpose */
+  if (D % 32 == 0) {
+    for (; jv + 16 <= nk; jv += 16)
+      for (int64_t p0 = 0; p0 < D / 2; p0 += 16)
+        transpose16_u32((const uint32_t *)(const void *)(src + jv * D) + p0, D / 2, dst + p0 * ldw + jv, ldw);
+  }
   for (int64_t pp = 0; pp < DP / 2; pp++) {
-    uint32_t *dst = Kp + pp * LDKW;
+    uint32_t *row = dst + pp * ldw;
     const int64_t d0 = 2 * pp;
     if (d0 + 1 < D) {
-      for (int64_t j = 0; j < nk; j++) memcpy(dst + j, ks + j * D + d0, 4);
+      for (int64_t j = jv; j < nk; j++) memcpy(row + j, src + j * D + d0, 4);
     } else if (d0 < D) {
-      for (int64_t j = 0; j < nk; j++) dst[j] = ks[j * D + d0];
+      for (int64_t j = jv; j < nk; j++) row[j] = src[j * D + d0];
     } else {
-      memset(dst, 0, 4 * (size_t)nk);
+      memset(row + jv, 0, 4 * (size_t)(nk - jv));
     }
-    memset(dst + nk, 0, 4 * (size_t)(BK - nk));
+    memset(row + nk, 0, 4 * (size_t)(ncols - nk));
   }
+}
+
+static void pack_block(const t3d__attn_problem *p, int64_t r0, int64_t nk, uint32_t *Kp, uint32_t *Vp) {
+  const int64_t D = p->D, DO = pad16(D), LV = ldvw(D);
+  const uint16_t *ks = (const uint16_t *)p->k + r0 * D, *vs = (const uint16_t *)p->v + r0 * D;
+  pack_pairs_t(ks, D, nk, Kp, LDKW, BK);
   for (int64_t j2 = 0; j2 < BK / 2; j2++) {
     uint32_t *dst = Vp + j2 * LV;
     const int64_t j = 2 * j2;
@@ -439,24 +480,10 @@ void t3d__attn_amx_bwd_pack(const t3d__attn_problem *p, int64_t begin, int64_t e
  * words), and K in pairs along the keys ([BKB / 2] rows of ldvw(D) words); zero padded. */
 static void bwd_pack_keys(const t3d__attn_problem *p, int64_t r0, int64_t nk, uint32_t *KT, uint32_t *VT,
                           uint32_t *Kk) {
-  const int64_t D = p->D, DP = pad32(D), DO = pad16(D), LV = ldvw(D);
+  const int64_t D = p->D, DO = pad16(D), LV = ldvw(D);
   const uint16_t *srcs[2] = {(const uint16_t *)p->k + r0 * D, (const uint16_t *)p->v + r0 * D};
   uint32_t *dsts[2] = {KT, VT};
-  for (int w = 0; w < 2; w++) {
-    const uint16_t *src = srcs[w];
-    for (int64_t pp = 0; pp < DP / 2; pp++) {
-      uint32_t *dst = dsts[w] + pp * LDKB;
-      const int64_t d0 = 2 * pp;
-      if (d0 + 1 < D) {
-        for (int64_t j = 0; j < nk; j++) memcpy(dst + j, src + j * D + d0, 4);
-      } else if (d0 < D) {
-        for (int64_t j = 0; j < nk; j++) dst[j] = src[j * D + d0];
-      } else {
-        memset(dst, 0, 4 * (size_t)nk);
-      }
-      memset(dst + nk, 0, 4 * (size_t)(BKB - nk));
-    }
-  }
+  for (int w = 0; w < 2; w++) pack_pairs_t(srcs[w], D, nk, dsts[w], LDKB, BKB);
   const uint16_t *ks = srcs[0];
   for (int64_t j2 = 0; j2 < BKB / 2; j2++) {
     uint32_t *dst = Kk + j2 * LV;
