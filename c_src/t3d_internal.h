@@ -121,7 +121,7 @@ typedef struct t3d_backoff {
   uint64_t since; /* 0: progress just happened */
 } t3d_backoff_t;
 void t3d__backoff_reset(t3d_backoff_t *b);
-/* Tells the backoff how many ranks of one communicator share this host (more than cores: no spinning). */
+/* Tells the backoff how many ranks of one communicator share this host (as many as cores or more: no spinning). */
 void t3d__backoff_note_ranks(int local_ranks);
 void t3d__backoff_wait(t3d_backoff_t *b);
 t3d_result_t t3d__exec_check(t3d_exec_t *ex, const char *waiting_for);
