@@ -53,7 +53,7 @@ def sizes_between(lo: int, hi: int) -> list[int]:
 def iters_for(nbytes: int) -> tuple[int, int]:
     """(warmup, timed) iterations: many for small messages, few for large ones (the box has 2 cores)."""
     if nbytes <= 64 << 10:
-        return 20, 200
+        return 50, 1000
     if nbytes <= 4 << 20:
         return 5, 40
     return 2, 8
@@ -110,6 +110,21 @@ def _make_op(op: str, nbytes: int, rank: int, n: int, dist, torch):
     raise ValueError(f"unknown op {op!r}")
 
 
+# Timed iterations stop at about this many seconds per row (slow peers at small sizes would take minutes at 8 ranks);
+# every rank derives the same count from the slowest rank's warm-up.
+ROW_BUDGET_S = 1.5
+
+
+def _budget_iters(iters: int, warm_call_s: float, max_over_ranks) -> int:
+    return max(5, min(iters, int(ROW_BUDGET_S / max(max_over_ranks(warm_call_s), 1e-9))))
+
+
+def _max_over_ranks(x: float, dist, torch) -> float:
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
 def _rank_main(rank: int, n: int, backend: str, init: str, ops: list[str], sizes: list[int], out_q) -> None:
     import torch
     import torch.distributed as dist
@@ -127,8 +142,11 @@ def _rank_main(rank: int, n: int, backend: str, init: str, ops: list[str], sizes
             for nbytes in sizes:
                 run, check, size_b = _make_op(op, nbytes, rank, n, dist, torch)
                 warm, iters = iters_for(nbytes)
+                t0 = time.perf_counter()
                 for _ in range(warm):
                     run()
+                iters = _budget_iters(iters, (time.perf_counter() - t0) / warm,
+                                      lambda t: _max_over_ranks(t, dist, torch))
                 ok = check()
                 dist.barrier()
                 t0 = time.perf_counter()
@@ -180,9 +198,9 @@ import numpy as np
 from mpi4py import MPI
 comm = MPI.COMM_WORLD
 rank, n = comm.Get_rank(), comm.Get_size()
-ops, sizes = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+ops, sizes, BUDGET = json.loads(sys.argv[1]), json.loads(sys.argv[2]), float(sys.argv[3])
 def iters_for(b):
-    return (20, 200) if b <= 64 << 10 else ((5, 40) if b <= 4 << 20 else (2, 8))
+    return (50, 1000) if b <= 64 << 10 else ((5, 40) if b <= 4 << 20 else (2, 8))
 rows = []
 for op in ops:
     if op == "send_recv" and n < 2:
@@ -212,8 +230,11 @@ for op in ops:
             run = lambda: comm.Sendrecv(x, (rank + 1) % n, 0, out, (rank - 1) % n, 0)
             check = lambda: bool(np.all(out == float((rank - 1) % n)))
         warm, iters = iters_for(nbytes)
+        t0 = time.perf_counter()
         for _ in range(warm):
             run()
+        w = comm.allreduce((time.perf_counter() - t0) / warm, op=MPI.MAX)
+        iters = max(5, min(iters, int(BUDGET / max(w, 1e-9))))
         ok = check(); comm.Barrier(); t0 = time.perf_counter()
         for _ in range(iters):
             run()
@@ -243,7 +264,7 @@ def run_mpi(n: int, ops: list[str], sizes: list[int], timeout: float) -> list[di
     cmd = ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(n)]
     if os.geteuid() == 0:
         cmd.append("--allow-run-as-root")
-    cmd += [sys.executable, script, json.dumps(ops), json.dumps(sizes)]
+    cmd += [sys.executable, script, json.dumps(ops), json.dumps(sizes), str(ROW_BUDGET_S)]
     env = dict(os.environ, OMPI_MCA_btl="self,vader", OMP_NUM_THREADS="1")
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
@@ -285,11 +306,14 @@ def _floor_main(out_q) -> None:
         dist.all_reduce(x)
     for _ in range(100):
         run()
-    t0 = time.perf_counter()
-    iters = 2000
-    for _ in range(iters):
-        run()
-    out_q.put((time.perf_counter() - t0) / iters * 1e6)
+    # The median of 5 batches: one process on a shared machine sees bursts that a single mean would absorb.
+    iters, batches = 1000, []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            run()
+        batches.append((time.perf_counter() - t0) / iters * 1e6)
+    out_q.put(sorted(batches)[2])
     dist.destroy_process_group()
 
 
