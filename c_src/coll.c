@@ -422,8 +422,7 @@ int t3d__inline_eligible(t3d_comm_t *comm, const t3d_request_t *r) {
       atomic_load(&comm->fatal) != 0) {
     return 0;
   }
-  uintptr_t a = (uintptr_t)r->sendbuf, b = (uintptr_t)r->recvbuf;
-  if (a != b && a < b + bytes && b < a + bytes) return 0;
+  if (r->sendbuf != r->recvbuf && t3d__overlap(r->sendbuf, bytes, r->recvbuf, bytes)) return 0;
   return t3d__shm_oneshot_fits(comm->shm, bytes);
 }
 

@@ -106,3 +106,35 @@ uint64_t t3d__p2p_tag(int64_t user_tag, int src) {
 }
 
 const char *t3d_version_string(void) { return "0.1.0"; }
+
+/* Byte range [lo, hi) covered by the non-empty blocks. */
+static void block_extent(int n, const size_t *bytes, const size_t *displs, size_t *lo, size_t *hi) {
+  *lo = SIZE_MAX;
+  *hi = 0;
+  for (int p = 0; p < n; p++) {
+    if (bytes[p] == 0) continue;
+    if (displs[p] < *lo) *lo = displs[p];
+    if (displs[p] + bytes[p] > *hi) *hi = displs[p] + bytes[p];
+  }
+  if (*hi == 0) *lo = 0;
+}
+
+t3d_result_t t3d__alltoall_source(int n, const void *sendbuf, const size_t *sbytes, const size_t *sdispls,
+                                  const void *recvbuf, const size_t *rbytes, const size_t *rdispls, const char **src,
+                                  size_t *bias, void **copy) {
+  const char *sb = sendbuf;
+  size_t slo, shi, rlo, rhi;
+  block_extent(n, sbytes, sdispls, &slo, &shi);
+  block_extent(n, rbytes, rdispls, &rlo, &rhi);
+  *src = sb;
+  *bias = 0;
+  *copy = NULL;
+  if (!t3d__overlap(sb + slo, shi - slo, (const char *)recvbuf + rlo, rhi - rlo)) return T3D_OK;
+  char *c = malloc(shi - slo);
+  if (c == NULL) return T3D_ERR_NO_MEMORY;
+  memcpy(c, sb + slo, shi - slo);
+  *src = c;
+  *bias = slo;
+  *copy = c;
+  return T3D_OK;
+}

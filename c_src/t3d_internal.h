@@ -42,6 +42,19 @@ void t3d__log(int level, const char *file, int line, const char *fmt, ...) __att
 int64_t t3d__env_int(const char *name, int64_t dflt);
 const char *t3d__env_str(const char *name, const char *dflt);
 
+/* ---------- buffers ---------- */
+/* Nonzero when [a, a + na) and [b, b + nb) share a byte; compared as integers, as the objects may be unrelated. */
+static inline int t3d__overlap(const void *a, size_t na, const void *b, size_t nb) {
+  uintptr_t x = (uintptr_t)a, y = (uintptr_t)b;
+  return na > 0 && nb > 0 && x < y + nb && y < x + na;
+}
+/* Where an alltoallv sends from: when the receive blocks overlap the send blocks (in place, say), incoming data
+ * would overwrite outgoing data before it leaves, so *copy gets the byte range the send blocks cover and block p
+ * is read at *src + sdispls[p] - *bias; otherwise *src = sendbuf, *bias = 0, *copy = NULL. Free *copy after. */
+t3d_result_t t3d__alltoall_source(int n, const void *sendbuf, const size_t *sbytes, const size_t *sdispls,
+                                  const void *recvbuf, const size_t *rbytes, const size_t *rdispls, const char **src,
+                                  size_t *bias, void **copy);
+
 /* ---------- time ---------- */
 uint64_t t3d__now_ns(void);
 

@@ -52,10 +52,4 @@ static inline void t3d__algo_split(size_t count, int n, size_t *counts, size_t *
   }
 }
 
-/* Whether [a, a + na) and [b, b + nb) share a byte; compared as integers, as the objects may be unrelated. */
-static inline int t3d__algo_overlap(const void *a, size_t na, const void *b, size_t nb) {
-  uintptr_t x = (uintptr_t)a, y = (uintptr_t)b;
-  return na > 0 && nb > 0 && x < y + nb && y < x + na;
-}
-
 #endif /* T3D_ALGO_H */

@@ -4,38 +4,16 @@
 
 #include <stdlib.h>
 
-/* Byte range [lo, hi) covered by the non-empty blocks. */
-static void extent(int n, const size_t *bytes, const size_t *displs, size_t *lo, size_t *hi) {
-  *lo = SIZE_MAX;
-  *hi = 0;
-  for (int p = 0; p < n; p++) {
-    if (bytes[p] == 0) continue;
-    if (displs[p] < *lo) *lo = displs[p];
-    if (displs[p] + bytes[p] > *hi) *hi = displs[p] + bytes[p];
-  }
-  if (*hi == 0) *lo = 0;
-}
-
 t3d_result_t t3d__algo_alltoallv(t3d_exec_t *ex, const void *sendbuf, const size_t *sbytes, const size_t *sdispls,
                                  void *recvbuf, const size_t *rbytes, const size_t *rdispls) {
   int n = ex->size, r = ex->rank;
   if (sbytes[r] != rbytes[r]) return T3D_ERR_MISMATCH;
   /* Block p leaves from sb + sdispls[p] - sbias: the bias is nonzero only when sending from a copy. */
-  const char *sb = (const char *)sendbuf;
-  size_t sbias = 0;
-  char *rb = (char *)recvbuf, *copy = NULL;
-  size_t slo, shi, rlo, rhi;
-  extent(n, sbytes, sdispls, &slo, &shi);
-  extent(n, rbytes, rdispls, &rlo, &rhi);
-  /* In place (or any overlap) incoming blocks would overwrite outgoing ones before they leave: send from a copy.
-   * The copy holds only the range the blocks cover. */
-  if (t3d__algo_overlap(sb + slo, shi - slo, rb + rlo, rhi - rlo)) {
-    copy = malloc(shi - slo);
-    if (copy == NULL) return T3D_ERR_NO_MEMORY;
-    memcpy(copy, sb + slo, shi - slo);
-    sb = copy;
-    sbias = slo;
-  }
+  const char *sb;
+  size_t sbias;
+  char *rb = (char *)recvbuf;
+  void *copy;
+  T3D_CHECK(t3d__alltoall_source(n, sendbuf, sbytes, sdispls, recvbuf, rbytes, rdispls, &sb, &sbias, &copy));
   t3d_result_t res = T3D_OK;
   if (n > 1) {
     t3d_xfer_t *xs = malloc(2 * (size_t)n * sizeof *xs);

@@ -10,10 +10,6 @@
 
 static size_t min_sz(size_t a, size_t b) { return a < b ? a : b; }
 
-static int overlap(const void *a, size_t na, const void *b, size_t nb) {
-  uintptr_t x = (uintptr_t)a, y = (uintptr_t)b;
-  return na > 0 && nb > 0 && x < y + nb && y < x + na;
-}
 
 /* Elements per 64-byte line: slices start on cache lines, so that two ranks never write the same line. */
 static size_t line_elems(size_t es) { return es != 0 && 64 % es == 0 ? 64 / es : 1; }
@@ -171,7 +167,7 @@ static t3d_result_t reduce_common(t3d_exec_t *ex, const void *sendbuf, void *rec
   int collect = root < 0 || root == s->rank;
   /* Exactly in place is fine (each element is read before it is written); any other overlap reads from a copy. */
   void *copy = NULL;
-  if (collect && sendbuf != recvbuf && overlap(sendbuf, bytes, recvbuf, bytes)) {
+  if (collect && sendbuf != recvbuf && t3d__overlap(sendbuf, bytes, recvbuf, bytes)) {
     copy = malloc(bytes);
     if (copy == NULL) return T3D_ERR_NO_MEMORY;
     memcpy(copy, sendbuf, bytes);
@@ -214,7 +210,7 @@ t3d_result_t t3d__shm_reduce_scatterv(t3d_exec_t *ex, const void *sendbuf, void 
   size_t mine = counts[me] * es;
   /* Step k writes output [kP, (k+1)P) after reading every piece k: safe when the output is the input's start or
    * the own block (what is overwritten was read at step k or before). Other overlaps go through scratch. */
-  int ov = overlap(sb, total * es, rb, mine);
+  int ov = t3d__overlap(sb, total * es, rb, mine);
   int own_direct = !ov || rb == sb + s->offs[me] * es;
   if (ov && rb != sb && rb != sb + s->offs[me] * es) {
     scratch = malloc(mine);
@@ -354,17 +350,6 @@ static void a2a_from(void *arg, int p) {
                 min_sz(c->piece, c->rbytes[p] - c->lo), c->nt);
 }
 
-static void extent(int n, const size_t *bytes, const size_t *displs, size_t *lo, size_t *hi) {
-  *lo = SIZE_MAX;
-  *hi = 0;
-  for (int p = 0; p < n; p++) {
-    if (bytes[p] == 0) continue;
-    if (displs[p] < *lo) *lo = displs[p];
-    if (displs[p] + bytes[p] > *hi) *hi = displs[p] + bytes[p];
-  }
-  if (*hi == 0) *lo = 0;
-}
-
 /* Step k carries piece k (one line-aligned share of the half) of every block: rank p writes its piece for q at
  * q * piece of its half. Only the senders know the block sizes, so step 0 also spreads each rank's largest block
  * through the info lines, and every rank derives the same step count from the maximum. */
@@ -378,20 +363,12 @@ t3d_result_t t3d__shm_alltoallv(t3d_exec_t *ex, const void *sendbuf, const size_
              (unsigned long long)ex->seq, ex->comm->name, me, n, sbytes[me], rbytes[me]);
     return T3D_ERR_MISMATCH;
   }
-  const char *sb = sendbuf;
-  size_t sbias = 0;
-  char *rb = recvbuf, *copy = NULL;
-  size_t slo, shi, rlo, rhi;
-  extent(n, sbytes, sdispls, &slo, &shi);
-  extent(n, rbytes, rdispls, &rlo, &rhi);
-  /* Incoming blocks would overwrite outgoing ones that later steps still read: send from a copy. */
-  if (overlap(sb + slo, shi - slo, rb + rlo, rhi - rlo)) {
-    copy = malloc(shi - slo);
-    if (copy == NULL) return T3D_ERR_NO_MEMORY;
-    memcpy(copy, sb + slo, shi - slo);
-    sb = copy;
-    sbias = slo;
-  }
+  /* Incoming blocks may overwrite outgoing ones that later steps still read: then send from a copy. */
+  const char *sb;
+  size_t sbias;
+  char *rb = recvbuf;
+  void *copy;
+  T3D_CHECK(t3d__alltoall_source(n, sendbuf, sbytes, sdispls, recvbuf, rbytes, rdispls, &sb, &sbias, &copy));
   size_t local_max = 0, total = 0;
   for (int q = 0; q < n; q++) {
     total += sbytes[q] + rbytes[q];
