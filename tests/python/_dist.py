@@ -314,24 +314,24 @@ def run_checks(checks, world_size, *, backend=None, idle=40.0, budget=220.0, max
     backend = backend or BACKEND
     startup = 30.0 + 8.0 * world_size
     outcomes = {}
-    todo = list(checks)
+    remaining = list(checks)
     t_start = time.monotonic()
     launches = 0
-    while todo:
+    while remaining:
         spent = time.monotonic() - t_start
         if launches >= max_launches or (launches and spent > budget):
-            for name, _, _ in todo:
+            for name, _, _ in remaining:
                 outcomes[name] = CheckOutcome("notrun", f"not run: {launches} launches / {spent:.0f}s spent on "
                                                         f"this world after earlier failures or hangs")
             break
         launches += 1
-        w = _World(world_size, "checks", todo, (), backend)
+        w = _World(world_size, "checks", remaining, (), backend)
         try:
             reason = w.run(deadline_s=max(60.0, budget - spent) + startup, idle_s=idle, startup_s=startup,
                            grace_s=3.0, fail_ends=False)
         finally:
             w.kill()
-        names = [c[0] for c in todo]
+        names = [c[0] for c in remaining]
         everyone = set(range(world_size))
         # Once a rank has left or died, failures of other checks are mostly peers losing their connection to it:
         # those checks run again in the next world.
@@ -351,9 +351,9 @@ def run_checks(checks, world_size, *, backend=None, idle=40.0, budget=220.0, max
             elif w.passed.get(name, set()) == everyone:
                 outcomes[name] = CheckOutcome("pass")
         if reason is None:
-            todo = [c for c in todo if c[0] not in outcomes]
-            if todo:  # every rank said done, yet some check has no verdict: should not happen
-                for name, _, _ in todo:
+            remaining = [c for c in remaining if c[0] not in outcomes]
+            if remaining:  # every rank said done, yet some check has no verdict: should not happen
+                for name, _, _ in remaining:
                     outcomes[name] = CheckOutcome("fail", "world finished without a verdict for this check")
             break
         pending = [n for n in names if n not in outcomes]
@@ -388,9 +388,9 @@ def run_checks(checks, world_size, *, backend=None, idle=40.0, budget=220.0, max
                     "hang", "destroy_process_group hung: " + _describe_stuck(w, reason, budget, idle, startup))
                 break
         progressed = charged is not None or any(n in outcomes for n in names)
-        todo = [c for c in todo if c[0] not in outcomes]
+        remaining = [c for c in remaining if c[0] not in outcomes]
         if not progressed:
-            for name, _, _ in todo:
+            for name, _, _ in remaining:
                 outcomes[name] = CheckOutcome("fail", f"world ended ({reason}) with no check completing")
             break
     return outcomes

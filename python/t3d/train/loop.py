@@ -91,7 +91,7 @@ class GradNorm:
     it is replicated over TP (the same value on every TP rank), so one all-reduce over TP gives the norm of the full
     gradient. FSDP1 flattens parameters into FlatParameters; their elements are weighted by the names recorded
     before wrapping. (Upstream calls FSDP's clip_grad_norm_, whose norm under TP is that of the local shards only:
-    its "TODO: fix reported gradnorm".)
+    its own comment that the reported grad norm still needs fixing.)
     """
 
     def __init__(self, model, tp_mesh):
