@@ -439,14 +439,9 @@ t3d_result_t t3d__execute_start(t3d_exec_t *ex, t3d_request_t *r) {
   T3D_CHECK(t3d__shm_oneshot_start(ex, r->sendbuf, r->count * t3d_dtype_size(r->dtype), &r->rs));
   /* Peers that issue at about the same time arrive within microseconds; later ones are the progress thread's
    * business, so that the call stays non-blocking. */
-  uint64_t until = t3d__now_ns() + ex->comm->inline_wait_ns;
-  t3d_backoff_t b = {0};
-  while (!t3d__shm_oneshot_arrived(ex, &r->rs)) {
-    if (t3d__now_ns() > until) {
-      r->resume = 1;
-      return T3D_IN_PROGRESS;
-    }
-    t3d__backoff_wait(&b);
+  if (!t3d__shm_oneshot_wait(ex, &r->rs, t3d__now_ns() + ex->comm->inline_wait_ns)) {
+    r->resume = 1;
+    return T3D_IN_PROGRESS;
   }
   return finish_inline(ex, r);
 }

@@ -70,48 +70,66 @@ t3d_result_t t3d__store_get(t3d_comm_t *comm, const char *key, void **value, siz
   return T3D_OK;
 }
 
-/* ---------- waiting: spin briefly, then yield, then sleep (ranks often outnumber cores) ---------- */
+/* ---------- waiting: spin briefly, then yield, then block (ranks often outnumber cores) ---------- */
 
-/* Time since the last sign of progress decides: pause-spin for a few microseconds (a streaming peer answers within
- * that), then yield for ~2 ms (lets the peer run when ranks outnumber cores), then sleep in short naps. When this
- * host runs as many ranks as it has cores or more, the peer we wait for is often queued behind us on our own core
- * (measured: two ranks on two cores share one about half the time, as the scheduler places a woken task next to its
- * waker): spinning only delays it, so the spin phase is skipped (t3d__backoff_note_ranks). */
-static _Atomic int64_t spin_ns = -1; /* -1: not decided yet */
+/* Time since the last sign of progress decides: pause-spin for a few microseconds (T3D_SPIN_NS, 5 us: a streaming
+ * peer answers within that), then yield (T3D_YIELD_NS, 2 ms: lets the peer run when ranks outnumber cores), then
+ * block: on the waiter's own wake-up signal where it has one (shared-memory flags: a futex), otherwise in short naps.
+ * When this host runs as many ranks as it has cores or more, the peer we wait for is often queued behind us on our
+ * own core (measured: two ranks on two cores share one about half the time, as the scheduler places a woken task
+ * next to its waker), and every polling thread takes turns from the ranks that have work: the spin phase is
+ * skipped and the yield phase cut to T3D_YIELD_NS_OVERSUBSCRIBED (20 us) (t3d__backoff_note_ranks). */
+static _Atomic int64_t spin_ns = -1;  /* -1: not decided yet */
+static _Atomic int64_t yield_ns = -1; /* -1: not decided yet */
+static atomic_int oversubscribed;
 
-static int64_t spin_budget(void) {
-  int64_t v = atomic_load_explicit(&spin_ns, memory_order_relaxed);
+static int64_t budget(_Atomic int64_t *slot, const char *env, int64_t dflt) {
+  int64_t v = atomic_load_explicit(slot, memory_order_relaxed);
   if (v < 0) {
-    v = t3d__env_int("T3D_SPIN_NS", 5000);
+    v = t3d__env_int(env, dflt);
+    if (v < 0) v = 0;
     int64_t expected = -1;
-    atomic_compare_exchange_strong(&spin_ns, &expected, v);
-    v = atomic_load_explicit(&spin_ns, memory_order_relaxed);
+    atomic_compare_exchange_strong(slot, &expected, v);
+    v = atomic_load_explicit(slot, memory_order_relaxed);
   }
   return v;
 }
 
 void t3d__backoff_note_ranks(int local_ranks) {
-  if (t3d__env_str("T3D_SPIN_NS", NULL) != NULL) return; /* set by the user: keep it */
   long cpus = sysconf(_SC_NPROCESSORS_ONLN);
   cpu_set_t set;
   if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) < cpus) cpus = CPU_COUNT(&set);
-  if (cpus > 0 && local_ranks >= cpus) {
-    spin_budget();
-    atomic_store_explicit(&spin_ns, 0, memory_order_relaxed);
+  if (cpus <= 0 || local_ranks < cpus) return;
+  atomic_store(&oversubscribed, 1);
+  /* Values the user set stay. */
+  if (t3d__env_str("T3D_SPIN_NS", NULL) == NULL) atomic_store_explicit(&spin_ns, 0, memory_order_relaxed);
+  if (t3d__env_str("T3D_YIELD_NS", NULL) == NULL) {
+    atomic_store_explicit(&yield_ns, t3d__env_int("T3D_YIELD_NS_OVERSUBSCRIBED", 20000), memory_order_relaxed);
   }
 }
 
+int t3d_oversubscribed(void) { return atomic_load(&oversubscribed); }
+
 void t3d__backoff_reset(t3d_backoff_t *b) { b->since = 0; }
 
-void t3d__backoff_wait(t3d_backoff_t *b) {
+int t3d__backoff_poll(t3d_backoff_t *b) {
   uint64_t now = t3d__now_ns();
   if (b->since == 0) b->since = now;
   uint64_t idle = now - b->since;
-  if (idle < (uint64_t)spin_budget()) {
+  uint64_t spin = (uint64_t)budget(&spin_ns, "T3D_SPIN_NS", 5000);
+  if (idle < spin) {
     for (int i = 0; i < 8; i++) __builtin_ia32_pause();
-  } else if (idle < 2000000) {
+    return 0;
+  }
+  if (idle < spin + (uint64_t)budget(&yield_ns, "T3D_YIELD_NS", 2000000)) {
     sched_yield();
-  } else {
+    return 0;
+  }
+  return 1;
+}
+
+void t3d__backoff_wait(t3d_backoff_t *b) {
+  if (t3d__backoff_poll(b)) {
     struct timespec ts = {0, 20000};
     nanosleep(&ts, NULL);
   }
@@ -188,12 +206,9 @@ t3d_result_t t3d_test(t3d_request_t *req) {
 t3d_result_t t3d_wait(t3d_request_t *req, int64_t timeout_ms) {
   if (req == NULL) return T3D_ERR_INVALID_ARG;
   /* Spin a little, then yield (the progress threads may need this core), then sleep on the condition variable. */
-  uint64_t yield_until = t3d__now_ns() + 1000000;
-  for (int i = 0;; i++) {
-    if (atomic_load_explicit(&req->done, memory_order_acquire)) return req->result;
-    if (i < 100) __builtin_ia32_pause();
-    else if (t3d__now_ns() < yield_until) sched_yield();
-    else break;
+  t3d_backoff_t b = {0};
+  while (!atomic_load_explicit(&req->done, memory_order_acquire)) {
+    if (t3d__backoff_poll(&b)) break;
   }
   struct timespec dl;
   clock_gettime(CLOCK_REALTIME, &dl);
@@ -620,8 +635,9 @@ static void *progress_main(void *arg) {
   unsigned idle_ms = 1;
   for (;;) {
     /* Going idle: watch the queue for ~200 us first (yielding); a condition-variable wake-up costs tens of
-     * microseconds, more than a small collective. */
-    if (comm->active_p2p == NULL) {
+     * microseconds, more than a small collective. Not when ranks outnumber cores: the watcher would take turns
+     * from the ranks that have work. */
+    if (comm->active_p2p == NULL && !t3d_oversubscribed()) {
       uint64_t until = t3d__now_ns() + 200000;
       int spins = 0;
       while (__atomic_load_n(&comm->q_head, __ATOMIC_ACQUIRE) == NULL && !__atomic_load_n(&comm->stop, __ATOMIC_ACQUIRE) &&

@@ -134,8 +134,13 @@ typedef struct t3d_backoff {
   uint64_t since; /* 0: progress just happened */
 } t3d_backoff_t;
 void t3d__backoff_reset(t3d_backoff_t *b);
-/* Tells the backoff how many ranks of one communicator share this host (as many as cores or more: no spinning). */
+/* Tells the backoff how many ranks of one communicator share this host (as many as cores or more: no spinning,
+ * a short yield phase, and t3d_oversubscribed() says so). */
 void t3d__backoff_note_ranks(int local_ranks);
+/* Spins or yields once and returns 0 while in those phases; returns 1 at once when past them: the caller should
+ * block on its own wake-up signal (with a bounded timeout, so that it still checks for abort and deadline). */
+int t3d__backoff_poll(t3d_backoff_t *b);
+/* t3d__backoff_poll for waiters without a wake-up signal: past the yield phase, naps of ~20 us. */
 void t3d__backoff_wait(t3d_backoff_t *b);
 t3d_result_t t3d__exec_check(t3d_exec_t *ex, const char *waiting_for);
 
@@ -160,7 +165,8 @@ t3d_result_t t3d__shm_alltoallv(t3d_exec_t *ex, const void *sendbuf, const size_
                                 void *recvbuf, const size_t *rbytes, const size_t *rdispls);
 t3d_result_t t3d__shm_barrier(t3d_exec_t *ex);
 /* A small allreduce in two parts, for a caller that starts it on its own thread: start publishes this rank's input
- * (never waits), arrived polls whether every rank has, finish waits for them and folds. Only when oneshot_fits said
+ * (never waits), wait waits until every rank has or until `until` (t3d__now_ns; 1: they all have), finish waits
+ * for them and folds. Only when oneshot_fits said
  * the size qualifies and the half is free. Between start and finish no other operation may run on the
  * communicator. */
 typedef struct t3d_shm_resume {
@@ -169,7 +175,7 @@ typedef struct t3d_shm_resume {
 } t3d_shm_resume_t;
 int t3d__shm_oneshot_fits(t3d_shm_t *shm, size_t bytes);
 t3d_result_t t3d__shm_oneshot_start(t3d_exec_t *ex, const void *sendbuf, size_t bytes, t3d_shm_resume_t *rs);
-int t3d__shm_oneshot_arrived(t3d_exec_t *ex, const t3d_shm_resume_t *rs);
+int t3d__shm_oneshot_wait(t3d_exec_t *ex, const t3d_shm_resume_t *rs, uint64_t until);
 t3d_result_t t3d__shm_oneshot_finish(t3d_exec_t *ex, const t3d_shm_resume_t *rs, const void *sendbuf, void *recvbuf,
                                      size_t count, t3d_dtype_t dt, t3d_redop_t op);
 

@@ -221,8 +221,10 @@ std::vector<at::Tensor> WorkT3D::result() {
 bool WorkT3D::wait(std::chrono::milliseconds timeout) {
   int64_t ms = timeout == kNoTimeout ? timeoutMs_ + kWaitGraceMs : timeout.count();
   // Poll, then yield, for a short while before sleeping: a small collective completes in microseconds, and waking
-  // from a condition variable on an idle core costs tens of them. Yielding keeps ranks that outnumber cores moving.
-  auto poll_until = std::chrono::steady_clock::now() + std::chrono::microseconds(std::min<int64_t>(ms * 1000, 2000));
+  // from a condition variable on an idle core costs tens of them. When ranks outnumber cores, a poller takes turns
+  // from the ranks that have work: block after a few polls instead.
+  const int64_t poll_us = t3d_oversubscribed() ? 0 : 2000;
+  auto poll_until = std::chrono::steady_clock::now() + std::chrono::microseconds(std::min<int64_t>(ms * 1000, poll_us));
   for (int i = 0; !done_.load(std::memory_order_acquire); i++) {
     if (i < 64) continue;
     if (std::chrono::steady_clock::now() >= poll_until) break;

@@ -4,11 +4,14 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
+#include <linux/futex.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 /* ---------- tuning ---------- */
@@ -267,6 +270,38 @@ t3d_result_t t3d__shm_step_acquire(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_s
   return t3d__shm_wait(s, ex, -1, st->need);
 }
 
+/* ---------- blocking on a peer's flag ----------
+ * The futex word is the low half of the 64-bit flag (x86-64 is little-endian). Shared, not private: the segment is
+ * mapped by several processes. */
+_Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "the futex word is the flag's low half");
+
+void t3d__shm_wake(t3d_shm_t *s) {
+  syscall(SYS_futex, (void *)t3d__shm_flag(s, s->rank), FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+}
+
+void t3d__shm_sleep(t3d_shm_t *s, int p, uint64_t target, uint64_t max_ns) {
+  _Atomic uint32_t *sleepers = t3d__shm_sleepers(s, p);
+  atomic_fetch_add_explicit(sleepers, 1, memory_order_seq_cst);
+  uint64_t v = atomic_load_explicit(t3d__shm_flag(s, p), memory_order_seq_cst);
+  if (v < target) {
+    struct timespec ts = {(time_t)(max_ns / 1000000000u), (long)(max_ns % 1000000000u)};
+    /* Returns at once if the word changed meanwhile (EAGAIN); a wake or the timeout end it otherwise. */
+    syscall(SYS_futex, (void *)t3d__shm_flag(s, p), FUTEX_WAIT, (uint32_t)v, &ts, NULL, 0);
+  }
+  atomic_fetch_sub_explicit(sleepers, 1, memory_order_relaxed);
+}
+
+void t3d__shm_backoff(t3d_shm_t *s, t3d_backoff_t *b, int p, uint64_t target, uint64_t until) {
+  if (!t3d__backoff_poll(b)) return;
+  uint64_t max_ns = 1000000;
+  if (until != 0) {
+    uint64_t now = t3d__now_ns();
+    if (now >= until) return;
+    if (until - now < max_ns) max_ns = until - now;
+  }
+  t3d__shm_sleep(s, p, target, max_ns);
+}
+
 /* "rank(s) 1, 3" for the ranks among [lo, hi) below target. */
 static void describe_missing(t3d_shm_t *s, int lo, int hi, uint64_t target, char *buf, size_t len) {
   size_t used = (size_t)snprintf(buf, len, "rank(s) ");
@@ -298,7 +333,7 @@ t3d_result_t t3d__shm_wait(t3d_shm_t *s, t3d_exec_t *ex, int who, uint64_t targe
     if (next == hi) break;
     if (next != before) t3d__backoff_reset(&b);
     if ((it & 15) == 0 && t3d__exec_check(ex, "") != T3D_OK) return fail_wait(s, ex, lo, hi, target);
-    t3d__backoff_wait(&b);
+    t3d__shm_backoff(s, &b, next, target, 0);
   }
   if (who < 0 && target > s->seen_all) s->seen_all = target;
   return T3D_OK;
@@ -328,7 +363,7 @@ t3d_result_t t3d__shm_wait_each(t3d_shm_t *s, t3d_exec_t *ex, uint64_t target, t
       continue;
     }
     if ((it & 15) == 0 && t3d__exec_check(ex, "") != T3D_OK) return fail_wait(s, ex, 0, n, target);
-    t3d__backoff_wait(&b);
+    t3d__shm_backoff(s, &b, s->pending[0], target, 0);
   }
   if (target > s->seen_all) s->seen_all = target;
   return T3D_OK;

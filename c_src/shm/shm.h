@@ -11,12 +11,14 @@
 
 /* Segment layout (every part 4 KiB aligned):
  *   header   one page: magic, rank count, bytes per half (rank 0 decides; the others adopt it)
- *   control  per rank T3D_SHM_CTRL_STRIDE bytes: its progress flag alone in the first 128 bytes (the adjacent-line
- *            prefetcher fetches lines in pairs), then one 64-byte op-info line per half
+ *   control  per rank T3D_SHM_CTRL_STRIDE bytes: its progress flag alone in the first 64 bytes and, in the next 64
+ *            (the adjacent-line prefetcher fetches lines in pairs), the count of ranks asleep on that flag; then
+ *            one 64-byte op-info line per half
  *   data     per rank two halves of `half` bytes; step t of the communicator uses half t & 1 of every rank
  * A rank writes only its own flag, info lines and halves. */
 #define T3D_SHM_MAGIC 0x3130304d48534433ull /* "3DSHM001" */
 #define T3D_SHM_CTRL_STRIDE 256
+#define T3D_SHM_SLEEPERS_OFFSET 64
 #define T3D_SHM_INFO_OFFSET 128
 #define T3D_SHM_PAGE 4096
 
@@ -61,6 +63,10 @@ struct t3d_shm {
 static inline _Atomic uint64_t *t3d__shm_flag(const t3d_shm_t *s, int p) {
   return (_Atomic uint64_t *)(void *)(s->ctrl + (size_t)p * T3D_SHM_CTRL_STRIDE);
 }
+/* Ranks blocked in t3d__shm_sleep on rank p's flag: a post wakes them only when there are some. */
+static inline _Atomic uint32_t *t3d__shm_sleepers(const t3d_shm_t *s, int p) {
+  return (_Atomic uint32_t *)(void *)(s->ctrl + (size_t)p * T3D_SHM_CTRL_STRIDE + T3D_SHM_SLEEPERS_OFFSET);
+}
 static inline t3d_shm_info_t *t3d__shm_info(const t3d_shm_t *s, int p, int h) {
   return (t3d_shm_info_t *)(void *)(s->ctrl + (size_t)p * T3D_SHM_CTRL_STRIDE + T3D_SHM_INFO_OFFSET + 64 * h);
 }
@@ -84,9 +90,19 @@ typedef struct t3d_shm_step {
 void t3d__shm_step_begin(t3d_shm_t *s, int nphases, t3d_shm_step_t *st);
 /* Waits until half st->h may be written (every rank past its previous use). */
 t3d_result_t t3d__shm_step_acquire(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step_t *st);
+void t3d__shm_wake(t3d_shm_t *s);
+/* Publishes phase `value` and wakes the ranks asleep on this rank's flag. Sequentially consistent store and load,
+ * paired with t3d__shm_sleep's: either the sleeper sees the new value or the poster sees the sleeper. */
 static inline void t3d__shm_post(t3d_shm_t *s, uint64_t value) {
-  atomic_store_explicit(t3d__shm_flag(s, s->rank), value, memory_order_release);
+  atomic_store_explicit(t3d__shm_flag(s, s->rank), value, memory_order_seq_cst);
+  if (atomic_load_explicit(t3d__shm_sleepers(s, s->rank), memory_order_seq_cst) != 0) t3d__shm_wake(s);
 }
+/* Blocks (futex) until rank p posts a value other than the one its flag holds now, unless that value is already
+ * at least `target`, for at most max_ns. Returns early on any post; callers re-check. */
+void t3d__shm_sleep(t3d_shm_t *s, int p, uint64_t target, uint64_t max_ns);
+/* Waiting between polls of peer p's flag for `target`: t3d__backoff_poll's spin and yield phases, then sleeps of
+ * up to 1 ms (so that callers still check abort and deadline), never past `until` (0: no limit). */
+void t3d__shm_backoff(t3d_shm_t *s, t3d_backoff_t *b, int p, uint64_t target, uint64_t until);
 /* Waits until rank `who` (-1: every other rank) has reached phase `target`. */
 t3d_result_t t3d__shm_wait(t3d_shm_t *s, t3d_exec_t *ex, int who, uint64_t target);
 /* Calls fn for every other rank as soon as it reaches `target` (ranks after this one first). */

@@ -82,10 +82,16 @@ t3d_result_t t3d__shm_oneshot_start(t3d_exec_t *ex, const void *sendbuf, size_t 
   return T3D_OK;
 }
 
-int t3d__shm_oneshot_arrived(t3d_exec_t *ex, const t3d_shm_resume_t *rs) {
+int t3d__shm_oneshot_wait(t3d_exec_t *ex, const t3d_shm_resume_t *rs, uint64_t until) {
   t3d_shm_t *s = t3d__exec_shm(ex);
-  for (int p = 0; p < s->size; p++) {
-    if (p != s->rank && atomic_load_explicit(t3d__shm_flag(s, p), memory_order_acquire) < rs->base + 1) return 0;
+  t3d_backoff_t b = {0};
+  for (int p = 0; p < s->size;) {
+    if (p == s->rank || atomic_load_explicit(t3d__shm_flag(s, p), memory_order_acquire) >= rs->base + 1) {
+      p++;
+      continue;
+    }
+    if (t3d__now_ns() >= until) return 0;
+    t3d__shm_backoff(s, &b, p, rs->base + 1, until);
   }
   return 1;
 }

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <dirent.h>
+#include <sys/resource.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
 
@@ -441,6 +442,48 @@ INSTANTIATE_TEST_SUITE_P(World, Shm,
                          ::testing::Values(Param{2, false}, Param{3, false}, Param{4, false}, Param{8, false},
                                            Param{2, true}, Param{3, true}, Param{8, true}),
                          ParamName);
+
+// ---------- waiting ----------
+
+// A rank that arrives late is waited for asleep (a futex on its flag), not by polling: while rank 1 sleeps 300 ms
+// before each allreduce (small: started inline then handed to the progress thread; large: chunked, on the progress
+// thread), the process makes few voluntary context switches (polling with naps made one per ~70 us, thousands)
+// and uses a small part of a core.
+TEST(ShmWaiting, LateRankIsAwaitedAsleep) {
+  const size_t counts[] = {16, static_cast<size_t>(1) << 20};
+  std::vector<std::vector<float>> in(2), out(2);
+  RunRanks(2, [&](int rank, t3d_comm_t *comm) {
+    for (size_t count : counts) {
+      STOP_IF_FAILED();
+      in[rank].assign(count, static_cast<float>(rank + 1));
+      out[rank].assign(count, 0.0f);
+      if (!HostBarrier()) return;
+      struct rusage r0;
+      getrusage(RUSAGE_SELF, &r0);
+      const auto t0 = std::chrono::steady_clock::now();
+      if (rank == 1) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      const std::string what = "late allreduce x" + std::to_string(count);
+      if (!RunOk(comm, what, [&](t3d_request_t **r) {
+            return t3d_allreduce(comm, in[rank].data(), out[rank].data(), count, T3D_FLOAT32, T3D_SUM, nullptr, r);
+          }))
+        return;
+      EXPECT_EQ(out[rank][0], 3.0f) << Tag(rank, what);
+      EXPECT_EQ(out[rank][count - 1], 3.0f) << Tag(rank, what);
+      if (rank == 0) {
+        struct rusage r1;
+        getrusage(RUSAGE_SELF, &r1);
+        const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        const double cpu = (r1.ru_utime.tv_sec - r0.ru_utime.tv_sec) + (r1.ru_stime.tv_sec - r0.ru_stime.tv_sec) +
+                           1e-6 * ((r1.ru_utime.tv_usec - r0.ru_utime.tv_usec) +
+                                   (r1.ru_stime.tv_usec - r0.ru_stime.tv_usec));
+        const long switches = r1.ru_nvcsw - r0.ru_nvcsw;
+        EXPECT_LT(switches, 2000) << Tag(rank, what) << ": " << switches << " voluntary switches in " << wall << " s";
+        EXPECT_LT(cpu, 0.25 * wall) << Tag(rank, what) << ": " << cpu << " s of CPU in " << wall << " s";
+      }
+      if (!HostBarrier()) return;
+    }
+  });
+}
 
 // ---------- failures ----------
 
