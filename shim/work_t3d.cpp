@@ -8,6 +8,7 @@
 #include <thread>
 
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 #include <ATen/core/jit_type.h>
 #include <c10/util/Exception.h>
 
@@ -48,16 +49,15 @@ void CommHandle::destroy() {
 
 WorkT3D::WorkT3D(std::shared_ptr<CommHandle> comm, int rank, c10d::OpType type, const char* opName,
                  std::string group, uint64_t seq, int64_t timeoutMs, std::vector<at::Tensor> outputs)
-    : Work(rank, type, (std::string("t3d:") + opName).c_str()),
+    // The base class opens a profiler range when given a title; without a profiler attached it would still allocate
+    // one per call, so the title is passed only when someone listens.
+    : Work(rank, type, at::hasCallbacks() ? (std::string("t3d:") + opName).c_str() : nullptr),
       comm_(std::move(comm)),
       opName_(opName),
       group_(std::move(group)),
       seq_(seq),
       timeoutMs_(timeoutMs),
       outputs_(std::move(outputs)) {
-  // One type object for every work's future: creating it per call is a measurable part of a small collective.
-  static const c10::TypePtr kTensorList = c10::ListType::create(c10::TensorType::get());
-  future_ = c10::make_intrusive<c10::ivalue::Future>(kTensorList);
 }
 
 std::string WorkT3D::describe() const {
@@ -170,14 +170,16 @@ void WorkT3D::complete(std::exception_ptr err) {
 void WorkT3D::markFuture() {
   if (futureMarked_.exchange(true)) return;
   std::exception_ptr e;
+  c10::intrusive_ptr<c10::ivalue::Future> future;
   {
     std::lock_guard<std::mutex> lk(mutex_);
     e = exception_;
+    future = future_;
   }
   if (e) {
-    future_->setError(e);
+    future->setError(e);
   } else {
-    future_->markCompleted(c10::IValue(outputs_));
+    future->markCompleted(c10::IValue(outputs_));
   }
 }
 
@@ -246,14 +248,19 @@ void WorkT3D::abort() {
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> WorkT3D::getFuture() {
+  // Made on first request (most works are only waited on): one type object for all of them.
+  static const c10::TypePtr kTensorList = c10::ListType::create(c10::TensorType::get());
   bool done;
+  c10::intrusive_ptr<c10::ivalue::Future> f;
   {
     std::lock_guard<std::mutex> lk(mutex_);
+    if (!future_) future_ = c10::make_intrusive<c10::ivalue::Future>(kTensorList);
     futureWanted_ = true;
     done = completed_;
+    f = future_;
   }
   if (done) markFuture();
-  return future_;
+  return f;
 }
 
 }  // namespace t3d_shim

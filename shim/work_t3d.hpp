@@ -98,7 +98,7 @@ class WorkT3D : public c10d::Work {
   std::vector<at::Tensor> outputs_;
   std::vector<at::Tensor> keep_;
   std::function<void(WorkT3D&)> post_;
-  c10::intrusive_ptr<c10::ivalue::Future> future_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;  // made by the first getFuture(); guarded by Work::mutex_
 
   // Guarded by Work::mutex_ (as are completed_ and exception_).
   bool futureWanted_ = false;

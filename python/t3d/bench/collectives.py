@@ -3,8 +3,8 @@
 For each backend (t3d, gloo, and Open MPI through mpi4py when installed) N CPU processes run each op over a range of
 sizes and report time, algbw and busbw with nccl-tests' formulas, plus a correctness check. The same run measures
 the machine's memory-copy bandwidth and prints, for all_reduce, the bound busbw <= 2(n-1)/n * B/(3n+1) with
-B = read+write copy bandwidth (docs/benchmarks/README.md derives it), and torch's dispatch floor: the time of a
-collective call on the "fake" backend, which does no communication.
+B = read+write copy bandwidth (docs/benchmarks/README.md derives it), and torch's dispatch floor: the same all_reduce
+loop on a "fake" process group, which does no communication, timed in the same processes between t3d's batches.
 
     t3d-bench collectives --nproc 2 [--backends t3d,gloo,mpi] [--ops all_reduce,...] [--min 8] [--max 256M]
 """
@@ -125,15 +125,40 @@ def _max_over_ranks(x: float, dist, torch) -> float:
     return t.item()
 
 
+# Timed iterations are split into this many batches. Before each batch of an all_reduce row the same loop body runs
+# on a no-op "fake" process group in the same processes: the dispatch floor, measured under the same conditions
+# (this machine's speed drifts by tens of percent over seconds, and 8 processes share 2 cores).
+BATCHES = 5
+
+
+def _floor_op(nbytes: int, rank: int, dist, torch, group):
+    """The all_reduce loop body of _make_op on the no-op group: what torch costs without any communication."""
+    x = torch.full((max(1, nbytes // 4),), float(rank + 1))
+
+    def run():
+        x.fill_(float(rank + 1))
+        dist.all_reduce(x, group=group)
+    return run
+
+
+def _timed(run, iters: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        run()
+    return time.perf_counter() - t0
+
+
 def _rank_main(rank: int, n: int, backend: str, init: str, ops: list[str], sizes: list[int], out_q) -> None:
     import torch
     import torch.distributed as dist
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
 
     if backend == "t3d":
         import t3d  # noqa: F401
     torch.set_num_threads(1)
     dist.init_process_group(backend, init_method=f"file://{init}", rank=rank, world_size=n,
                             timeout=timedelta(seconds=300))
+    fake = dist.new_group(backend="fake") if "all_reduce" in ops else None
     rows = []
     try:
         for op in ops:
@@ -141,23 +166,31 @@ def _rank_main(rank: int, n: int, backend: str, init: str, ops: list[str], sizes
                 continue
             for nbytes in sizes:
                 run, check, size_b = _make_op(op, nbytes, rank, n, dist, torch)
+                floor_run = _floor_op(nbytes, rank, dist, torch, fake) if op == "all_reduce" else None
                 warm, iters = iters_for(nbytes)
                 t0 = time.perf_counter()
                 for _ in range(warm):
                     run()
+                    if floor_run is not None:
+                        floor_run()
                 iters = _budget_iters(iters, (time.perf_counter() - t0) / warm,
                                       lambda t: _max_over_ranks(t, dist, torch))
                 ok = check()
-                dist.barrier()
-                t0 = time.perf_counter()
-                for _ in range(iters):
-                    run()
-                dt = (time.perf_counter() - t0) / iters
+                per = max(1, iters // BATCHES)
+                spent = floor_spent = 0.0
+                for _ in range(BATCHES):
+                    if floor_run is not None:
+                        floor_spent += _timed(floor_run, per)
+                    dist.barrier()
+                    spent += _timed(run, per)
                 # the slowest rank's time is the op's time, as in nccl-tests
-                stat = torch.tensor([dt, 0.0 if ok else 1.0], dtype=torch.float64)
+                stat = torch.tensor([spent / (per * BATCHES), floor_spent / (per * BATCHES), 0.0 if ok else 1.0],
+                                    dtype=torch.float64)
                 dist.all_reduce(stat, op=dist.ReduceOp.MAX)
-                rows.append({"op": op, "bytes": size_b, "time_us": stat[0].item() * 1e6,
-                             "wrong": int(stat[1].item())})
+                row = {"op": op, "bytes": size_b, "time_us": stat[0].item() * 1e6, "wrong": int(stat[2].item())}
+                if floor_run is not None:
+                    row["floor_us"] = stat[1].item() * 1e6
+                rows.append(row)
     finally:
         dist.destroy_process_group()
     if rank == 0:
@@ -276,7 +309,7 @@ def run_mpi(n: int, ops: list[str], sizes: list[int], timeout: float) -> list[di
     raise RuntimeError(f"mpirun failed (exit {res.returncode}): {res.stderr.strip()[-500:]}")
 
 
-# ---------------------------------------------------------------- references: copy bandwidth, dispatch floor
+# ---------------------------------------------------------------- reference: copy bandwidth
 
 def copy_bandwidth() -> float:
     """Read+write bytes per second of one large single-threaded copy (the physical reference B)."""
@@ -290,46 +323,6 @@ def copy_bandwidth() -> float:
         np.copyto(dst, src)
         best = min(best, time.perf_counter() - t0)
     return 2 * src.nbytes / best
-
-
-def _floor_main(out_q) -> None:
-    import torch
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    torch.set_num_threads(1)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    x = torch.ones(2)
-
-    def run():  # the same body as the timed all_reduce loop (_make_op), minus the communication
-        x.fill_(1.0)
-        dist.all_reduce(x)
-    for _ in range(100):
-        run()
-    # The median of 5 batches: one process on a shared machine sees bursts that a single mean would absorb.
-    iters, batches = 1000, []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            run()
-        batches.append((time.perf_counter() - t0) / iters * 1e6)
-    out_q.put(sorted(batches)[2])
-    dist.destroy_process_group()
-
-
-def dispatch_floor_us() -> float | None:
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    p = ctx.Process(target=_floor_main, args=(q,))
-    p.start()
-    try:
-        return q.get(timeout=120)
-    except Exception:
-        return None
-    finally:
-        p.join(timeout=10)
 
 
 # ---------------------------------------------------------------- report
@@ -359,16 +352,17 @@ def allreduce_bound(n: int, B: float) -> float:
     return bound("all_reduce", n, B)
 
 
-def render(results: dict, n: int, B: float, floor: float | None, skipped: dict) -> str:
+def render(results: dict, n: int, B: float, skipped: dict) -> str:
     lines = [f"# t3d-bench collectives: {n} ranks",
              "",
              f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
              f"load average at start {results['_load']:.1f}. Copy bandwidth B (read+write, one thread): "
              f"{B / 1e9:.1f} GB/s. all_reduce bound 2(n-1)/n * B/(3n+1) = {allreduce_bound(n, B) / 1e9:.2f} GB/s; "
              "the other bounds: docs/benchmarks/README.md."]
-    if floor is not None:
-        lines.append(f"torch dispatch floor: the all_reduce loop body (fill_ + dist.all_reduce of 2 floats) on the "
-                     f"no-op 'fake' backend: {floor:.1f} us. 't3d - floor' is what t3d adds to it.")
+    if any("floor_us" in r for r in results.get("t3d", [])):
+        lines.append("torch dispatch floor (all_reduce rows): the same loop body (fill_ + dist.all_reduce) on a no-op "
+                     "'fake' process group, timed in the same rank processes in batches interleaved with t3d's "
+                     "(slowest rank). 't3d - floor' is what t3d adds to it.")
     for name, why in skipped.items():
         lines.append(f"Skipped {name}: {why}")
     backends = [b for b in results if not b.startswith("_")]
@@ -379,8 +373,9 @@ def render(results: dict, n: int, B: float, floor: float | None, skipped: dict) 
         if "t3d" in backends and len(backends) > 1:
             head += " | " + " | ".join(f"t3d/{b}" for b in backends if b != "t3d")
         head += " | bound (GB/s) | t3d % of bound"
-        if op == "all_reduce" and floor is not None and "t3d" in backends:
-            head += " | t3d - floor (us)"
+        with_floor = op == "all_reduce" and any("floor_us" in r for r in results.get("t3d", []))
+        if with_floor:
+            head += " | floor (us) | t3d - floor (us)"
         head += " | check |"
         lines += [head, "|" + "---|" * (head.count("|") - 1)]
         by = {b: {r["bytes"]: r for r in results[b] if r["op"] == op} for b in backends}
@@ -404,8 +399,8 @@ def render(results: dict, n: int, B: float, floor: float | None, skipped: dict) 
             a = by.get("t3d", {}).get(size)
             cells.append(f"{100 * size / (a['time_us'] * 1e-6) * bus_factor(op, n) / bound(op, n, B):.0f}%"
                          if a else "-")
-            if op == "all_reduce" and floor is not None and "t3d" in backends:
-                cells.append(f"{a['time_us'] - floor:.1f}" if a else "-")
+            if with_floor:
+                cells += [f"{a['floor_us']:.1f}", f"{a['time_us'] - a['floor_us']:.1f}"] if a else ["-", "-"]
             cells.append("ok" if wrong == 0 else "WRONG")
             lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "t3d/X is X's time over t3d's: above 1 means t3d is faster."]
@@ -463,9 +458,7 @@ def run(args) -> int:
     results: dict = {"_load": os.getloadavg()[0]}
     skipped: dict = {}
     B = copy_bandwidth()
-    floor = dispatch_floor_us()
-    print(f"copy bandwidth B = {B / 1e9:.1f} GB/s (read+write); dispatch floor "
-          f"{'n/a' if floor is None else f'{floor:.1f} us'}; load {results['_load']:.1f}", flush=True)
+    print(f"copy bandwidth B = {B / 1e9:.1f} GB/s (read+write); load {results['_load']:.1f}", flush=True)
     for b in [x for x in args.backends.split(",") if x]:
         if b not in ("t3d", "gloo", "mpi"):
             skipped[b] = "unknown backend (choose among t3d, gloo, mpi)"
@@ -487,14 +480,14 @@ def run(args) -> int:
             continue
         results[b] = rows
         print(f"{b}: {len(rows)} rows in {time.time() - t0:.0f} s", flush=True)
-    md = render(results, n, B, floor, skipped)
+    md = render(results, n, B, skipped)
     print(md)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     out = args.out or os.path.join(root, "docs", "benchmarks")
     os.makedirs(out, exist_ok=True)
     stem = os.path.join(out, args.tag or f"collectives-{n}ranks")
     with open(stem + ".json", "w") as f:
-        json.dump({"nproc": n, "copy_bandwidth": B, "dispatch_floor_us": floor, "skipped": skipped,
+        json.dump({"nproc": n, "copy_bandwidth": B, "skipped": skipped,
                    "results": results, "command": " ".join(["t3d-bench", "collectives"] + sys.argv[2:])}, f,
                   indent=1)
     with open(stem + ".md", "w") as f:
