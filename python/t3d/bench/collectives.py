@@ -68,9 +68,9 @@ def _make_op(op: str, nbytes: int, rank: int, n: int, dist, torch):
         x = torch.full((count,), float(rank + 1))
         expect = n * (n + 1) / 2
 
-        def run():
+        def run():  # the group passed explicitly, as the floor's loop (_floor_op) passes its own
             x.fill_(float(rank + 1))
-            dist.all_reduce(x)
+            dist.all_reduce(x, group=dist.group.WORLD)
         return run, lambda: bool(torch.all(x == expect)), count * 4
     if op == "all_gather":
         per = max(1, count // n)
@@ -179,7 +179,8 @@ def _rank_main(rank: int, n: int, backend: str, init: str, ops: list[str], sizes
                 per = max(1, iters // BATCHES)
                 spent = floor_spent = 0.0
                 for _ in range(BATCHES):
-                    if floor_run is not None:
+                    if floor_run is not None:  # all ranks at once, as in the timed batch
+                        dist.barrier()
                         floor_spent += _timed(floor_run, per)
                     dist.barrier()
                     spent += _timed(run, per)
