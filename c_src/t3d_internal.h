@@ -134,8 +134,8 @@ typedef struct t3d_backoff {
   uint64_t since; /* 0: progress just happened */
 } t3d_backoff_t;
 void t3d__backoff_reset(t3d_backoff_t *b);
-/* Tells the backoff how many ranks of one communicator share this host (as many as cores or more: no spinning,
- * a short yield phase, and t3d_oversubscribed() says so). */
+/* Tells the backoff how many ranks of one communicator share this host (as many as cores or more: no spinning;
+ * more: also a short yield phase, and t3d_oversubscribed() says so). */
 void t3d__backoff_note_ranks(int local_ranks);
 /* Spins or yields once and returns 0 while in those phases; returns 1 at once when past them: the caller should
  * block on its own wake-up signal (with a bounded timeout, so that it still checks for abort and deadline). */

@@ -130,9 +130,9 @@ const char *t3d_comm_last_error(t3d_comm_t *comm);
 const char *t3d_comm_transport(const t3d_comm_t *comm);
 /* Text of the last error recorded on the calling thread, by any communicator or by a t3d_comm_init that failed. */
 const char *t3d_thread_last_error(void);
-/* 1 once a communicator of this process has found at least as many of its ranks on this host as the process may use
- * cores: a thread waiting for t3d should then block soon rather than poll, as pollers take turns from the ranks
- * that have work. */
+/* 1 once a communicator of this process has found more of its ranks on this host than the process may use cores: a
+ * thread waiting for t3d should then block soon rather than poll, as pollers take turns from the ranks that have
+ * work. */
 int t3d_oversubscribed(void);
 
 /* Collectives. Counts are in elements of dtype. sendbuf == recvbuf means in place. Buffers must stay valid until the
