@@ -413,20 +413,29 @@ static t3d_dtype_t fold_type(const t3d_request_t *r, size_t *n) {
   return r->dtype == T3D_COMPLEX64 ? T3D_FLOAT32 : T3D_FLOAT64;
 }
 
-/* A small allreduce that needs no staging buffer (no half type, no PREMUL_SUM, input and output the same or
- * apart) and fits the one-shot, when the communicator has shared memory and the half it would use is free. */
+/* On a communicator with shared memory: a small allreduce that needs no staging buffer (no half type, no
+ * PREMUL_SUM, input and output the same or apart) and fits the one-shot; a barrier; a broadcast that fits one half.
+ * (The half these write must be free now.) */
 int t3d__inline_eligible(t3d_comm_t *comm, const t3d_request_t *r) {
+  if (comm->shm == NULL || comm->inline_max < 0 || atomic_load(&comm->fatal) != 0) return 0;
   size_t bytes = r->count * t3d_dtype_size(r->dtype);
-  if (r->kind != T3D_OP_ALLREDUCE || comm->shm == NULL || comm->inline_max < 0 || bytes == 0 ||
-      bytes > (uint64_t)comm->inline_max || is_half(r->dtype) || r->op == T3D_PREMUL_SUM ||
-      atomic_load(&comm->fatal) != 0) {
-    return 0;
+  switch (r->kind) {
+    case T3D_OP_ALLREDUCE:
+      if (bytes == 0 || bytes > (uint64_t)comm->inline_max || is_half(r->dtype) || r->op == T3D_PREMUL_SUM) return 0;
+      if (r->sendbuf != r->recvbuf && t3d__overlap(r->sendbuf, bytes, r->recvbuf, bytes)) return 0;
+      return t3d__shm_oneshot_fits(comm->shm, bytes);
+    case T3D_OP_BARRIER: return 1;
+    case T3D_OP_BROADCAST:
+      return bytes <= (uint64_t)comm->inline_max && t3d__shm_bcast_fits(comm->shm, bytes, r->root);
+    default: return 0;
   }
-  if (r->sendbuf != r->recvbuf && t3d__overlap(r->sendbuf, bytes, r->recvbuf, bytes)) return 0;
-  return t3d__shm_oneshot_fits(comm->shm, bytes);
 }
 
 static t3d_result_t finish_inline(t3d_exec_t *ex, t3d_request_t *r) {
+  if (r->kind == T3D_OP_BARRIER) return t3d__shm_barrier_finish(ex, &r->rs);
+  if (r->kind == T3D_OP_BROADCAST) {
+    return t3d__shm_bcast_finish(ex, &r->rs, r->recvbuf, r->count * t3d_dtype_size(r->dtype), r->root);
+  }
   size_t n;
   t3d_dtype_t dt = fold_type(r, &n);
   t3d_redop_t op = r->op == T3D_AVG ? T3D_SUM : r->op;
@@ -436,10 +445,20 @@ static t3d_result_t finish_inline(t3d_exec_t *ex, t3d_request_t *r) {
 }
 
 t3d_result_t t3d__execute_start(t3d_exec_t *ex, t3d_request_t *r) {
-  T3D_CHECK(t3d__shm_oneshot_start(ex, r->sendbuf, r->count * t3d_dtype_size(r->dtype), &r->rs));
+  size_t bytes = r->count * t3d_dtype_size(r->dtype);
+  int who = -1;
+  if (r->kind == T3D_OP_BARRIER) {
+    t3d__shm_barrier_start(ex, &r->rs);
+  } else if (r->kind == T3D_OP_BROADCAST) {
+    T3D_CHECK(t3d__shm_bcast_start(ex, r->recvbuf, bytes, r->root, &r->rs));
+    if (ex->rank == r->root) return T3D_OK;
+    who = r->root;
+  } else {
+    T3D_CHECK(t3d__shm_oneshot_start(ex, r->sendbuf, bytes, &r->rs));
+  }
   /* Peers that issue at about the same time arrive within microseconds; later ones are the progress thread's
    * business, so that the call stays non-blocking. */
-  if (!t3d__shm_oneshot_wait(ex, &r->rs, t3d__now_ns() + ex->comm->inline_wait_ns)) {
+  if (!t3d__shm_start_wait(ex, &r->rs, who, t3d__now_ns() + ex->comm->inline_wait_ns)) {
     r->resume = 1;
     return T3D_IN_PROGRESS;
   }

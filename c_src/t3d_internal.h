@@ -164,20 +164,28 @@ t3d_result_t t3d__shm_allgatherv(t3d_exec_t *ex, const void *sendbuf, void *recv
 t3d_result_t t3d__shm_alltoallv(t3d_exec_t *ex, const void *sendbuf, const size_t *sbytes, const size_t *sdispls,
                                 void *recvbuf, const size_t *rbytes, const size_t *rdispls);
 t3d_result_t t3d__shm_barrier(t3d_exec_t *ex);
-/* A small allreduce in two parts, for a caller that starts it on its own thread: start publishes this rank's input
- * (never waits), wait waits until every rank has or until `until` (t3d__now_ns; 1: they all have), finish waits
- * for them and folds. Only when oneshot_fits said
- * the size qualifies and the half is free. Between start and finish no other operation may run on the
- * communicator. */
+/* Collectives a caller starts on its own thread, in parts: start publishes what this rank contributes and never
+ * waits; start_wait waits until rank `who` (-1: every other rank) has published, or until `until` (t3d__now_ns),
+ * and says whether it has; finish waits for the rest and completes. Between start and finish no other operation may
+ * run on the communicator. They take the same steps as the queued versions, so ranks may take either path.
+ *   allreduce: oneshot_*, when oneshot_fits says the size qualifies and the half is free; who = -1.
+ *   broadcast: bcast_*, when bcast_fits (one half; the root needs it free); the root is done after start; the
+ *              others wait for who = root.
+ *   barrier:   barrier_*; who = -1. */
 typedef struct t3d_shm_resume {
   int h;
   uint64_t base;
 } t3d_shm_resume_t;
+int t3d__shm_start_wait(t3d_exec_t *ex, const t3d_shm_resume_t *rs, int who, uint64_t until);
 int t3d__shm_oneshot_fits(t3d_shm_t *shm, size_t bytes);
 t3d_result_t t3d__shm_oneshot_start(t3d_exec_t *ex, const void *sendbuf, size_t bytes, t3d_shm_resume_t *rs);
-int t3d__shm_oneshot_wait(t3d_exec_t *ex, const t3d_shm_resume_t *rs, uint64_t until);
 t3d_result_t t3d__shm_oneshot_finish(t3d_exec_t *ex, const t3d_shm_resume_t *rs, const void *sendbuf, void *recvbuf,
                                      size_t count, t3d_dtype_t dt, t3d_redop_t op);
+int t3d__shm_bcast_fits(t3d_shm_t *shm, size_t bytes, int root);
+t3d_result_t t3d__shm_bcast_start(t3d_exec_t *ex, const void *buf, size_t bytes, int root, t3d_shm_resume_t *rs);
+t3d_result_t t3d__shm_bcast_finish(t3d_exec_t *ex, const t3d_shm_resume_t *rs, void *buf, size_t bytes, int root);
+void t3d__shm_barrier_start(t3d_exec_t *ex, t3d_shm_resume_t *rs);
+t3d_result_t t3d__shm_barrier_finish(t3d_exec_t *ex, const t3d_shm_resume_t *rs);
 
 /* ---------- algorithms (c_src/algo/). All run on the progress thread with blocking semantics. ----------
  * Reducing ones see only T3D_SUM, PROD, MIN, MAX, BAND, BOR, BXOR on non-half dtypes: the front end (coll.c)

@@ -61,9 +61,9 @@ static t3d_result_t reduce_oneshot(t3d_shm_t *s, t3d_exec_t *ex, const void *sen
   return oneshot_fold(s, ex, &st, sendbuf, recvbuf, count, dt, op, kind);
 }
 
-int t3d__shm_oneshot_fits(t3d_shm_t *s, size_t bytes) {
-  if (bytes > s->oneshot_max) return 0;
-  /* The half the next step uses must be free now: the inline part never waits for it. */
+/* Whether the half the next step uses is free now (every rank past its previous use): the inline starts never wait
+ * for it. */
+static int next_half_free(t3d_shm_t *s) {
   uint64_t need = s->free_at[s->step & 1];
   if (s->seen_all >= need) return 1;
   for (int p = 0; p < s->size; p++) {
@@ -72,6 +72,8 @@ int t3d__shm_oneshot_fits(t3d_shm_t *s, size_t bytes) {
   s->seen_all = need;
   return 1;
 }
+
+int t3d__shm_oneshot_fits(t3d_shm_t *s, size_t bytes) { return bytes <= s->oneshot_max && next_half_free(s); }
 
 t3d_result_t t3d__shm_oneshot_start(t3d_exec_t *ex, const void *sendbuf, size_t bytes, t3d_shm_resume_t *rs) {
   t3d_shm_t *s = t3d__exec_shm(ex);
@@ -82,10 +84,11 @@ t3d_result_t t3d__shm_oneshot_start(t3d_exec_t *ex, const void *sendbuf, size_t 
   return T3D_OK;
 }
 
-int t3d__shm_oneshot_wait(t3d_exec_t *ex, const t3d_shm_resume_t *rs, uint64_t until) {
+int t3d__shm_start_wait(t3d_exec_t *ex, const t3d_shm_resume_t *rs, int who, uint64_t until) {
   t3d_shm_t *s = t3d__exec_shm(ex);
   t3d_backoff_t b = {0};
-  for (int p = 0; p < s->size;) {
+  int lo = who < 0 ? 0 : who, hi = who < 0 ? s->size : who + 1;
+  for (int p = lo; p < hi;) {
     if (p == s->rank || atomic_load_explicit(t3d__shm_flag(s, p), memory_order_acquire) >= rs->base + 1) {
       p++;
       continue;
@@ -277,6 +280,36 @@ t3d_result_t t3d__shm_broadcast(t3d_exec_t *ex, void *buf, size_t bytes, int roo
   return T3D_OK;
 }
 
+/* A broadcast that fits one half, in parts: the root publishes and is done; the others wait for it, then copy out.
+ * The same steps as t3d__shm_broadcast, so ranks that take either path agree. */
+int t3d__shm_bcast_fits(t3d_shm_t *s, size_t bytes, int root) {
+  return bytes > 0 && bytes <= s->half && (root != s->rank || next_half_free(s));
+}
+
+t3d_result_t t3d__shm_bcast_start(t3d_exec_t *ex, const void *buf, size_t bytes, int root, t3d_shm_resume_t *rs) {
+  t3d_shm_t *s = t3d__exec_shm(ex);
+  t3d_shm_step_t st;
+  t3d__shm_step_begin(s, 2, &st);
+  rs->h = st.h;
+  rs->base = st.base;
+  if (s->rank != root) return T3D_OK;
+  T3D_CHECK(t3d__shm_step_acquire(s, ex, &st)); /* free: t3d__shm_bcast_fits checked */
+  t3d__shm_put_info(s, &st, T3D_OP_BROADCAST, bytes, 0);
+  memcpy(t3d__shm_half(s, root, st.h), buf, bytes);
+  t3d__shm_post(s, st.base + 2);
+  return T3D_OK;
+}
+
+t3d_result_t t3d__shm_bcast_finish(t3d_exec_t *ex, const t3d_shm_resume_t *rs, void *buf, size_t bytes, int root) {
+  t3d_shm_t *s = t3d__exec_shm(ex);
+  t3d_shm_step_t st = {rs->h, rs->base, 0, 1};
+  T3D_CHECK(t3d__shm_wait(s, ex, root, st.base + 1));
+  T3D_CHECK(t3d__shm_check_info(s, ex, &st, root, T3D_OP_BROADCAST, bytes));
+  memcpy(buf, t3d__shm_half(s, root, st.h), bytes);
+  t3d__shm_post(s, st.base + 2);
+  return T3D_OK;
+}
+
 /* ---------- allgatherv ---------- */
 
 typedef struct {
@@ -410,8 +443,18 @@ out:
 /* ---------- barrier ---------- */
 
 t3d_result_t t3d__shm_barrier(t3d_exec_t *ex) {
+  t3d_shm_resume_t rs;
+  t3d__shm_barrier_start(ex, &rs);
+  return t3d__shm_barrier_finish(ex, &rs);
+}
+
+void t3d__shm_barrier_start(t3d_exec_t *ex, t3d_shm_resume_t *rs) {
   t3d_shm_t *s = t3d__exec_shm(ex);
-  uint64_t target = ++s->phase;
-  t3d__shm_post(s, target);
-  return t3d__shm_wait(s, ex, -1, target);
+  rs->h = 0;
+  rs->base = s->phase++; /* one phase: base + 1 */
+  t3d__shm_post(s, rs->base + 1);
+}
+
+t3d_result_t t3d__shm_barrier_finish(t3d_exec_t *ex, const t3d_shm_resume_t *rs) {
+  return t3d__shm_wait(t3d__exec_shm(ex), ex, -1, rs->base + 1);
 }

@@ -256,9 +256,9 @@ INSTANTIATE_TEST_SUITE_P(Inline, CommOrder, ::testing::Values(T3D_INLINE_DEFAULT
                            return std::string(i.param == -1 ? "Queued" : "InlineDefault");
                          });
 
-// With the default (inline) setting, small collectives on an idle communicator are done when the call returns, and
-// collectives on two communicators over the same ranks, issued in the same order everywhere, interleave correctly,
-// as do queued (large) and inline (small) ones on one communicator.
+// With the default (inline) setting, small collectives (allreduce, barrier, broadcast) on an idle communicator are
+// done when the call returns, and collectives on two communicators over the same ranks, issued in the same order
+// everywhere, interleave correctly, as do queued (large) and inline (small) ones on one communicator.
 TEST(Comm, SmallCollectivesRunInline) {
   const int n = 4;
   // Peers get all the time they need to arrive, so that "done on return" does not depend on scheduling. Read when
@@ -275,6 +275,17 @@ TEST(Comm, SmallCollectivesRunInline) {
       t3d_request_t *q1 = nullptr, *q2 = nullptr, *ql = nullptr, *q3 = nullptr;
       T3D_EXPECT_OK(a, t3d_allreduce(a, s1.data(), r1.data(), small, T3D_FLOAT32, T3D_SUM, nullptr, &q1));
       EXPECT_EQ(t3d_test(q1), T3D_OK) << "a small allreduce on an idle communicator should be done on return";
+      // So are a barrier and a small broadcast (the root of which does not wait at all).
+      t3d_request_t *qb = nullptr, *qc = nullptr;
+      T3D_EXPECT_OK(a, t3d_barrier(a, nullptr, &qb));
+      EXPECT_EQ(t3d_test(qb), T3D_OK) << "a barrier on an idle communicator should be done on return";
+      std::vector<int32_t> bc(small, rank == it % n ? it : -1);
+      T3D_EXPECT_OK(a, t3d_broadcast(a, bc.data(), small, T3D_INT32, it % n, nullptr, &qc));
+      EXPECT_EQ(t3d_test(qc), T3D_OK) << "a small broadcast on an idle communicator should be done on return";
+      std::string berr;
+      EXPECT_EQ(Finish(qb, &berr), T3D_OK) << berr;
+      EXPECT_EQ(Finish(qc, &berr), T3D_OK) << berr;
+      ASSERT_EQ(bc[small - 1], it) << "iteration " << it;
       T3D_EXPECT_OK(b, t3d_allreduce(b, s2.data(), r2.data(), small, T3D_FLOAT32, T3D_MAX, nullptr, &q2));
       T3D_EXPECT_OK(a, t3d_allreduce(a, sl.data(), rl.data(), large, T3D_FLOAT32, T3D_SUM, nullptr, &ql));
       // Queued behind the large one: must not overtake it.
