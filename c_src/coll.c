@@ -414,8 +414,8 @@ static t3d_dtype_t fold_type(const t3d_request_t *r, size_t *n) {
 }
 
 /* On a communicator with shared memory: a small allreduce that needs no staging buffer (no half type, no
- * PREMUL_SUM, input and output the same or apart) and fits the one-shot; a barrier; a broadcast that fits one half.
- * (The half these write must be free now.) */
+ * PREMUL_SUM, input and output the same or apart) and fits the one-shot; a barrier; a small broadcast or allgatherv
+ * whose blocks fit one half. (The half these write must be free now.) */
 int t3d__inline_eligible(t3d_comm_t *comm, const t3d_request_t *r) {
   if (comm->shm == NULL || comm->inline_max < 0 || atomic_load(&comm->fatal) != 0) return 0;
   size_t bytes = r->count * t3d_dtype_size(r->dtype);
@@ -427,12 +427,32 @@ int t3d__inline_eligible(t3d_comm_t *comm, const t3d_request_t *r) {
     case T3D_OP_BARRIER: return 1;
     case T3D_OP_BROADCAST:
       return bytes <= (uint64_t)comm->inline_max && t3d__shm_bcast_fits(comm->shm, bytes, r->root);
+    case T3D_OP_ALLGATHERV: {
+      size_t total = 0, maxb = 0, es = t3d_dtype_size(r->dtype);
+      for (int p = 0; p < comm->size; p++) {
+        total += r->rcounts[p] * es;
+        if (r->rcounts[p] * es > maxb) maxb = r->rcounts[p] * es;
+      }
+      return total <= (uint64_t)comm->inline_max && t3d__shm_gather_fits(comm->shm, total, maxb);
+    }
     default: return 0;
   }
 }
 
+/* An allgatherv's counts and displacements in bytes (gather_start / gather_finish), or NULL. */
+static size_t *gather_bytes(t3d_exec_t *ex, const t3d_request_t *r) {
+  return to_bytes(r->rcounts, r->rdispls, ex->size, t3d_dtype_size(r->dtype));
+}
+
 static t3d_result_t finish_inline(t3d_exec_t *ex, t3d_request_t *r) {
   if (r->kind == T3D_OP_BARRIER) return t3d__shm_barrier_finish(ex, &r->rs);
+  if (r->kind == T3D_OP_ALLGATHERV) {
+    size_t *b = gather_bytes(ex, r);
+    if (b == NULL) return T3D_ERR_NO_MEMORY;
+    t3d_result_t res = t3d__shm_gather_finish(ex, &r->rs, r->recvbuf, b, b + ex->size);
+    free(b);
+    return res;
+  }
   if (r->kind == T3D_OP_BROADCAST) {
     return t3d__shm_bcast_finish(ex, &r->rs, r->recvbuf, r->count * t3d_dtype_size(r->dtype), r->root);
   }
@@ -449,6 +469,12 @@ t3d_result_t t3d__execute_start(t3d_exec_t *ex, t3d_request_t *r) {
   int who = -1;
   if (r->kind == T3D_OP_BARRIER) {
     t3d__shm_barrier_start(ex, &r->rs);
+  } else if (r->kind == T3D_OP_ALLGATHERV) {
+    size_t *b = gather_bytes(ex, r);
+    if (b == NULL) return T3D_ERR_NO_MEMORY;
+    t3d_result_t res = t3d__shm_gather_start(ex, r->sendbuf, r->recvbuf, b, b + ex->size, &r->rs);
+    free(b);
+    T3D_CHECK(res);
   } else if (r->kind == T3D_OP_BROADCAST) {
     T3D_CHECK(t3d__shm_bcast_start(ex, r->recvbuf, bytes, r->root, &r->rs));
     if (ex->rank == r->root) return T3D_OK;

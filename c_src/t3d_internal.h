@@ -171,7 +171,9 @@ t3d_result_t t3d__shm_barrier(t3d_exec_t *ex);
  *   allreduce: oneshot_*, when oneshot_fits says the size qualifies and the half is free; who = -1.
  *   broadcast: bcast_*, when bcast_fits (one half; the root needs it free); the root is done after start; the
  *              others wait for who = root.
- *   barrier:   barrier_*; who = -1. */
+ *   barrier:   barrier_*; who = -1.
+ *   allgatherv: gather_*, when gather_fits (every block fits one half, which must be free); who = -1; bytes and
+ *              displacements in bytes, as for t3d__shm_allgatherv. */
 typedef struct t3d_shm_resume {
   int h;
   uint64_t base;
@@ -184,6 +186,11 @@ t3d_result_t t3d__shm_oneshot_finish(t3d_exec_t *ex, const t3d_shm_resume_t *rs,
 int t3d__shm_bcast_fits(t3d_shm_t *shm, size_t bytes, int root);
 t3d_result_t t3d__shm_bcast_start(t3d_exec_t *ex, const void *buf, size_t bytes, int root, t3d_shm_resume_t *rs);
 t3d_result_t t3d__shm_bcast_finish(t3d_exec_t *ex, const t3d_shm_resume_t *rs, void *buf, size_t bytes, int root);
+int t3d__shm_gather_fits(t3d_shm_t *shm, size_t total_bytes, size_t max_block_bytes);
+t3d_result_t t3d__shm_gather_start(t3d_exec_t *ex, const void *sendbuf, void *recvbuf, const size_t *bytes,
+                                   const size_t *displs_bytes, t3d_shm_resume_t *rs);
+t3d_result_t t3d__shm_gather_finish(t3d_exec_t *ex, const t3d_shm_resume_t *rs, void *recvbuf, const size_t *bytes,
+                                    const size_t *displs_bytes);
 void t3d__shm_barrier_start(t3d_exec_t *ex, t3d_shm_resume_t *rs);
 t3d_result_t t3d__shm_barrier_finish(t3d_exec_t *ex, const t3d_shm_resume_t *rs);
 

@@ -331,37 +331,84 @@ static void gather_from(void *arg, int p) {
                 min_sz(c->s->half, c->bytes[p] - c->lo), c->nt);
 }
 
+static size_t gather_total(int n, const size_t *bytes, size_t *maxb) {
+  size_t total = 0;
+  *maxb = 0;
+  for (int p = 0; p < n; p++) {
+    total += bytes[p];
+    if (bytes[p] > *maxb) *maxb = bytes[p];
+  }
+  return total;
+}
+
+/* In place (sendbuf NULL, equal to recvbuf, or already our block): the block is where it belongs. */
+static char *gather_own(t3d_shm_t *s, const void *sendbuf, void *recvbuf, const size_t *bytes, const size_t *displs) {
+  char *own = (char *)recvbuf + displs[s->rank];
+  if (sendbuf != NULL && sendbuf != recvbuf && (const char *)sendbuf != own && bytes[s->rank] > 0)
+    memmove(own, sendbuf, bytes[s->rank]);
+  return own;
+}
+
+/* Step begun: writes this rank's piece [lo, lo + half) of its block into its half and posts phase 1. */
+static t3d_result_t gather_publish(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step_t *st, const char *own,
+                                   size_t mine, size_t lo, size_t total) {
+  if (lo == 0 || lo < mine) {
+    T3D_CHECK(t3d__shm_step_acquire(s, ex, st));
+    if (lo == 0) t3d__shm_put_info(s, st, T3D_OP_ALLGATHERV, total, 0);
+    if (lo < mine) memcpy(t3d__shm_half(s, s->rank, st->h), own + lo, min_sz(s->half, mine - lo));
+  }
+  t3d__shm_post(s, st->base + 1);
+  return T3D_OK;
+}
+
+/* Copies every peer's piece as soon as it is there, then posts phase 2. */
+static t3d_result_t gather_collect(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step_t *st, void *recvbuf,
+                                   const size_t *bytes, const size_t *displs, size_t lo, size_t total) {
+  gather_ctx_t c = {s, ex, st, recvbuf, bytes, displs, lo, total, s->nt && total >= s->nt_min, T3D_OK};
+  T3D_CHECK(t3d__shm_wait_each(s, ex, st->base + 1, gather_from, &c));
+  T3D_CHECK(c.res);
+  t3d__shm_post(s, st->base + 2);
+  return T3D_OK;
+}
+
 t3d_result_t t3d__shm_allgatherv(t3d_exec_t *ex, const void *sendbuf, void *recvbuf, const size_t *bytes,
                                  const size_t *displs_bytes) {
   t3d_shm_t *s = t3d__exec_shm(ex);
-  int n = s->size, me = s->rank;
-  size_t total = 0, maxb = 0;
-  for (int p = 0; p < n; p++) {
-    total += bytes[p];
-    if (bytes[p] > maxb) maxb = bytes[p];
-  }
+  size_t maxb, total = gather_total(s->size, bytes, &maxb);
   if (total == 0) return T3D_OK;
-  char *rb = recvbuf, *own = rb + displs_bytes[me];
-  /* In place (sendbuf NULL, equal to recvbuf, or already our block): the block is where it belongs. */
-  if (sendbuf != NULL && sendbuf != recvbuf && (const char *)sendbuf != own && bytes[me] > 0)
-    memmove(own, sendbuf, bytes[me]);
-  gather_ctx_t c = {s, ex, NULL, rb, bytes, displs_bytes, 0, total, s->nt && total >= s->nt_min, T3D_OK};
+  const char *own = gather_own(s, sendbuf, recvbuf, bytes, displs_bytes);
   for (size_t lo = 0; lo < maxb; lo += s->half) {
     t3d_shm_step_t st;
     t3d__shm_step_begin(s, 2, &st);
-    if (lo == 0 || lo < bytes[me]) {
-      T3D_CHECK(t3d__shm_step_acquire(s, ex, &st));
-      if (lo == 0) t3d__shm_put_info(s, &st, T3D_OP_ALLGATHERV, total, 0);
-      if (lo < bytes[me]) memcpy(t3d__shm_half(s, me, st.h), own + lo, min_sz(s->half, bytes[me] - lo));
-    }
-    t3d__shm_post(s, st.base + 1);
-    c.st = &st;
-    c.lo = lo;
-    T3D_CHECK(t3d__shm_wait_each(s, ex, st.base + 1, gather_from, &c));
-    T3D_CHECK(c.res);
-    t3d__shm_post(s, st.base + 2);
+    T3D_CHECK(gather_publish(s, ex, &st, own, bytes[s->rank], lo, total));
+    T3D_CHECK(gather_collect(s, ex, &st, recvbuf, bytes, displs_bytes, lo, total));
   }
   return T3D_OK;
+}
+
+/* An allgatherv whose blocks each fit one half, in parts (one step of the loop above). */
+int t3d__shm_gather_fits(t3d_shm_t *s, size_t total, size_t maxb) {
+  return total > 0 && maxb <= s->half && next_half_free(s);
+}
+
+t3d_result_t t3d__shm_gather_start(t3d_exec_t *ex, const void *sendbuf, void *recvbuf, const size_t *bytes,
+                                   const size_t *displs_bytes, t3d_shm_resume_t *rs) {
+  t3d_shm_t *s = t3d__exec_shm(ex);
+  size_t maxb, total = gather_total(s->size, bytes, &maxb);
+  const char *own = gather_own(s, sendbuf, recvbuf, bytes, displs_bytes);
+  t3d_shm_step_t st;
+  t3d__shm_step_begin(s, 2, &st);
+  rs->h = st.h;
+  rs->base = st.base;
+  return gather_publish(s, ex, &st, own, bytes[s->rank], 0, total);
+}
+
+t3d_result_t t3d__shm_gather_finish(t3d_exec_t *ex, const t3d_shm_resume_t *rs, void *recvbuf, const size_t *bytes,
+                                    const size_t *displs_bytes) {
+  t3d_shm_t *s = t3d__exec_shm(ex);
+  size_t maxb, total = gather_total(s->size, bytes, &maxb);
+  t3d_shm_step_t st = {rs->h, rs->base, 0, 1};
+  return gather_collect(s, ex, &st, recvbuf, bytes, displs_bytes, 0, total);
 }
 
 /* ---------- alltoallv ---------- */

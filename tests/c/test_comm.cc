@@ -256,9 +256,9 @@ INSTANTIATE_TEST_SUITE_P(Inline, CommOrder, ::testing::Values(T3D_INLINE_DEFAULT
                            return std::string(i.param == -1 ? "Queued" : "InlineDefault");
                          });
 
-// With the default (inline) setting, small collectives (allreduce, barrier, broadcast) on an idle communicator are
-// done when the call returns, and collectives on two communicators over the same ranks, issued in the same order
-// everywhere, interleave correctly, as do queued (large) and inline (small) ones on one communicator.
+// With the default (inline) setting, small collectives (allreduce, barrier, broadcast, allgather) on an idle
+// communicator are done when the call returns, and collectives on two communicators over the same ranks, issued in
+// the same order everywhere, interleave correctly, as do queued (large) and inline (small) ones on one communicator.
 TEST(Comm, SmallCollectivesRunInline) {
   const int n = 4;
   // Peers get all the time they need to arrive, so that "done on return" does not depend on scheduling. Read when
@@ -282,10 +282,16 @@ TEST(Comm, SmallCollectivesRunInline) {
       std::vector<int32_t> bc(small, rank == it % n ? it : -1);
       T3D_EXPECT_OK(a, t3d_broadcast(a, bc.data(), small, T3D_INT32, it % n, nullptr, &qc));
       EXPECT_EQ(t3d_test(qc), T3D_OK) << "a small broadcast on an idle communicator should be done on return";
+      t3d_request_t *qg = nullptr;
+      std::vector<int32_t> mine(small, rank), all(small * n, -1);
+      T3D_EXPECT_OK(a, t3d_allgather(a, mine.data(), all.data(), small, T3D_INT32, nullptr, &qg));
+      EXPECT_EQ(t3d_test(qg), T3D_OK) << "a small allgather on an idle communicator should be done on return";
       std::string berr;
       EXPECT_EQ(Finish(qb, &berr), T3D_OK) << berr;
       EXPECT_EQ(Finish(qc, &berr), T3D_OK) << berr;
+      EXPECT_EQ(Finish(qg, &berr), T3D_OK) << berr;
       ASSERT_EQ(bc[small - 1], it) << "iteration " << it;
+      for (int p = 0; p < n; ++p) ASSERT_EQ(all[p * small + small - 1], p) << "iteration " << it;
       T3D_EXPECT_OK(b, t3d_allreduce(b, s2.data(), r2.data(), small, T3D_FLOAT32, T3D_MAX, nullptr, &q2));
       T3D_EXPECT_OK(a, t3d_allreduce(a, sl.data(), rl.data(), large, T3D_FLOAT32, T3D_SUM, nullptr, &ql));
       // Queued behind the large one: must not overtake it.
