@@ -415,7 +415,8 @@ static t3d_dtype_t fold_type(const t3d_request_t *r, size_t *n) {
 
 /* On a communicator with shared memory: a small allreduce that needs no staging buffer (no half type, no
  * PREMUL_SUM, input and output the same or apart) and fits the one-shot; a barrier; a small broadcast or allgatherv
- * whose blocks fit one half. (The half these write must be free now.) */
+ * whose blocks fit one half; a small reduce_scatterv of a real, non-half type (not PREMUL_SUM) done in one step,
+ * output apart from the input. (The half these write must be free now.) */
 int t3d__inline_eligible(t3d_comm_t *comm, const t3d_request_t *r) {
   if (comm->shm == NULL || comm->inline_max < 0 || atomic_load(&comm->fatal) != 0) return 0;
   size_t bytes = r->count * t3d_dtype_size(r->dtype);
@@ -427,6 +428,15 @@ int t3d__inline_eligible(t3d_comm_t *comm, const t3d_request_t *r) {
     case T3D_OP_BARRIER: return 1;
     case T3D_OP_BROADCAST:
       return bytes <= (uint64_t)comm->inline_max && t3d__shm_bcast_fits(comm->shm, bytes, r->root);
+    case T3D_OP_REDUCE_SCATTERV: {
+      if (is_half(r->dtype) || r->op == T3D_PREMUL_SUM || r->dtype == T3D_COMPLEX64 || r->dtype == T3D_COMPLEX128)
+        return 0;
+      size_t es = t3d_dtype_size(r->dtype), total = 0;
+      for (int p = 0; p < comm->size; p++) total += r->rcounts[p] * es;
+      if (total > (uint64_t)comm->inline_max) return 0;
+      if (t3d__overlap(r->sendbuf, total, r->recvbuf, r->rcounts[comm->rank] * es)) return 0;
+      return t3d__shm_rs_fits(comm->shm, r->rcounts, r->dtype);
+    }
     case T3D_OP_ALLGATHERV: {
       size_t total = 0, maxb = 0, es = t3d_dtype_size(r->dtype);
       for (int p = 0; p < comm->size; p++) {
@@ -446,6 +456,12 @@ static size_t *gather_bytes(t3d_exec_t *ex, const t3d_request_t *r) {
 
 static t3d_result_t finish_inline(t3d_exec_t *ex, t3d_request_t *r) {
   if (r->kind == T3D_OP_BARRIER) return t3d__shm_barrier_finish(ex, &r->rs);
+  if (r->kind == T3D_OP_REDUCE_SCATTERV) {
+    t3d_redop_t op = r->op == T3D_AVG ? T3D_SUM : r->op;
+    T3D_CHECK(t3d__shm_rs_finish(ex, &r->rs, r->sendbuf, r->recvbuf, r->rcounts, r->dtype, op));
+    if (r->op == T3D_AVG) t3d__divide(r->recvbuf, r->rcounts[ex->rank], r->dtype, ex->size);
+    return T3D_OK;
+  }
   if (r->kind == T3D_OP_ALLGATHERV) {
     size_t *b = gather_bytes(ex, r);
     if (b == NULL) return T3D_ERR_NO_MEMORY;
@@ -469,6 +485,9 @@ t3d_result_t t3d__execute_start(t3d_exec_t *ex, t3d_request_t *r) {
   int who = -1;
   if (r->kind == T3D_OP_BARRIER) {
     t3d__shm_barrier_start(ex, &r->rs);
+  } else if (r->kind == T3D_OP_REDUCE_SCATTERV) {
+    T3D_CHECK(t3d__shm_rs_start(ex, r->sendbuf, r->rcounts, r->dtype, &r->rs));
+    if (r->rcounts[ex->rank] == 0) return T3D_OK;
   } else if (r->kind == T3D_OP_ALLGATHERV) {
     size_t *b = gather_bytes(ex, r);
     if (b == NULL) return T3D_ERR_NO_MEMORY;

@@ -173,7 +173,9 @@ t3d_result_t t3d__shm_barrier(t3d_exec_t *ex);
  *              others wait for who = root.
  *   barrier:   barrier_*; who = -1.
  *   allgatherv: gather_*, when gather_fits (every block fits one half, which must be free); who = -1; bytes and
- *              displacements in bytes, as for t3d__shm_allgatherv. */
+ *              displacements in bytes, as for t3d__shm_allgatherv.
+ *   reduce_scatterv: rs_*, when rs_fits (one step; the half must be free) and the output does not overlap the
+ *              input; a rank whose own block is empty is done after start; who = -1. */
 typedef struct t3d_shm_resume {
   int h;
   uint64_t base;
@@ -191,6 +193,11 @@ t3d_result_t t3d__shm_gather_start(t3d_exec_t *ex, const void *sendbuf, void *re
                                    const size_t *displs_bytes, t3d_shm_resume_t *rs);
 t3d_result_t t3d__shm_gather_finish(t3d_exec_t *ex, const t3d_shm_resume_t *rs, void *recvbuf, const size_t *bytes,
                                     const size_t *displs_bytes);
+int t3d__shm_rs_fits(t3d_shm_t *shm, const size_t *counts, t3d_dtype_t dt);
+t3d_result_t t3d__shm_rs_start(t3d_exec_t *ex, const void *sendbuf, const size_t *counts, t3d_dtype_t dt,
+                               t3d_shm_resume_t *rs);
+t3d_result_t t3d__shm_rs_finish(t3d_exec_t *ex, const t3d_shm_resume_t *rs, const void *sendbuf, void *recvbuf,
+                                const size_t *counts, t3d_dtype_t dt, t3d_redop_t op);
 void t3d__shm_barrier_start(t3d_exec_t *ex, t3d_shm_resume_t *rs);
 t3d_result_t t3d__shm_barrier_finish(t3d_exec_t *ex, const t3d_shm_resume_t *rs);
 

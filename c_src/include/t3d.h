@@ -80,8 +80,8 @@ typedef struct t3d_config {
   const char *name;       /* group name used in messages, e.g. "world" or "tp"; NULL: "comm" */
   const char *key_prefix; /* namespace of this communicator's keys in the store; NULL: "t3d" */
   const char *transport;  /* NULL: T3D_TRANSPORT or "auto" */
-  /* A same-host allreduce, broadcast or allgather of at most this many bytes (and any barrier) starts on the calling
-   * thread when the communicator is idle, and finishes there when the peers arrive within T3D_INLINE_WAIT_NS
+  /* A same-host allreduce, broadcast, allgather or reduce_scatter of at most this many bytes (and any barrier)
+   * starts on the calling thread when the communicator is idle, and finishes there when the peers arrive within T3D_INLINE_WAIT_NS
    * (default 20 us); otherwise the progress thread finishes it. This saves two thread hand-offs per small call; calls stay non-blocking. -1: never;
    * T3D_INLINE_DEFAULT: T3D_INLINE_BYTES, else 65536. Splits inherit the parent's value unless they set their own. */
   int64_t inline_bytes;

@@ -256,9 +256,10 @@ INSTANTIATE_TEST_SUITE_P(Inline, CommOrder, ::testing::Values(T3D_INLINE_DEFAULT
                            return std::string(i.param == -1 ? "Queued" : "InlineDefault");
                          });
 
-// With the default (inline) setting, small collectives (allreduce, barrier, broadcast, allgather) on an idle
-// communicator are done when the call returns, and collectives on two communicators over the same ranks, issued in
-// the same order everywhere, interleave correctly, as do queued (large) and inline (small) ones on one communicator.
+// With the default (inline) setting, small collectives (allreduce, barrier, broadcast, allgather, reduce_scatter) on
+// an idle communicator are done when the call returns, and collectives on two communicators over the same ranks,
+// issued in the same order everywhere, interleave correctly, as do queued (large) and inline (small) ones on one
+// communicator.
 TEST(Comm, SmallCollectivesRunInline) {
   const int n = 4;
   // Peers get all the time they need to arrive, so that "done on return" does not depend on scheduling. Read when
@@ -286,10 +287,16 @@ TEST(Comm, SmallCollectivesRunInline) {
       std::vector<int32_t> mine(small, rank), all(small * n, -1);
       T3D_EXPECT_OK(a, t3d_allgather(a, mine.data(), all.data(), small, T3D_INT32, nullptr, &qg));
       EXPECT_EQ(t3d_test(qg), T3D_OK) << "a small allgather on an idle communicator should be done on return";
+      t3d_request_t *qr = nullptr;
+      std::vector<float> rsin(small * n, static_cast<float>(rank + 1)), rsout(small, -1.0f);
+      T3D_EXPECT_OK(a, t3d_reduce_scatter(a, rsin.data(), rsout.data(), small, T3D_FLOAT32, T3D_AVG, nullptr, &qr));
+      EXPECT_EQ(t3d_test(qr), T3D_OK) << "a small reduce_scatter on an idle communicator should be done on return";
       std::string berr;
       EXPECT_EQ(Finish(qb, &berr), T3D_OK) << berr;
       EXPECT_EQ(Finish(qc, &berr), T3D_OK) << berr;
       EXPECT_EQ(Finish(qg, &berr), T3D_OK) << berr;
+      EXPECT_EQ(Finish(qr, &berr), T3D_OK) << berr;
+      ASSERT_EQ(rsout[small - 1], (n + 1) / 2.0f) << "iteration " << it;
       ASSERT_EQ(bc[small - 1], it) << "iteration " << it;
       for (int p = 0; p < n; ++p) ASSERT_EQ(all[p * small + small - 1], p) << "iteration " << it;
       T3D_EXPECT_OK(b, t3d_allreduce(b, s2.data(), r2.data(), small, T3D_FLOAT32, T3D_MAX, nullptr, &q2));
