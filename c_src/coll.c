@@ -413,13 +413,24 @@ static t3d_dtype_t fold_type(const t3d_request_t *r, size_t *n) {
   return r->dtype == T3D_COMPLEX64 ? T3D_FLOAT32 : T3D_FLOAT64;
 }
 
+/* Total and largest block of r's receive counts, in bytes. */
+static size_t rcounts_bytes(const t3d_request_t *r, int n, size_t *maxb) {
+  size_t es = t3d_dtype_size(r->dtype), total = 0;
+  *maxb = 0;
+  for (int p = 0; p < n; p++) {
+    total += r->rcounts[p] * es;
+    if (r->rcounts[p] * es > *maxb) *maxb = r->rcounts[p] * es;
+  }
+  return total;
+}
+
 /* On a communicator with shared memory: a small allreduce that needs no staging buffer (no half type, no
  * PREMUL_SUM, input and output the same or apart) and fits the one-shot; a barrier; a small broadcast or allgatherv
  * whose blocks fit one half; a small reduce_scatterv of a real, non-half type (not PREMUL_SUM) done in one step,
  * output apart from the input. (The half these write must be free now.) */
 int t3d__inline_eligible(t3d_comm_t *comm, const t3d_request_t *r) {
   if (comm->shm == NULL || comm->inline_max < 0 || atomic_load(&comm->fatal) != 0) return 0;
-  size_t bytes = r->count * t3d_dtype_size(r->dtype);
+  size_t es = t3d_dtype_size(r->dtype), bytes = r->count * es, total, maxb;
   switch (r->kind) {
     case T3D_OP_ALLREDUCE:
       if (bytes == 0 || bytes > (uint64_t)comm->inline_max || is_half(r->dtype) || r->op == T3D_PREMUL_SUM) return 0;
@@ -428,85 +439,66 @@ int t3d__inline_eligible(t3d_comm_t *comm, const t3d_request_t *r) {
     case T3D_OP_BARRIER: return 1;
     case T3D_OP_BROADCAST:
       return bytes <= (uint64_t)comm->inline_max && t3d__shm_bcast_fits(comm->shm, bytes, r->root);
-    case T3D_OP_REDUCE_SCATTERV: {
+    case T3D_OP_REDUCE_SCATTERV:
       if (is_half(r->dtype) || r->op == T3D_PREMUL_SUM || r->dtype == T3D_COMPLEX64 || r->dtype == T3D_COMPLEX128)
         return 0;
-      size_t es = t3d_dtype_size(r->dtype), total = 0;
-      for (int p = 0; p < comm->size; p++) total += r->rcounts[p] * es;
+      total = rcounts_bytes(r, comm->size, &maxb);
       if (total > (uint64_t)comm->inline_max) return 0;
       if (t3d__overlap(r->sendbuf, total, r->recvbuf, r->rcounts[comm->rank] * es)) return 0;
-      return t3d__shm_rs_fits(comm->shm, r->rcounts, r->dtype);
-    }
-    case T3D_OP_ALLGATHERV: {
-      size_t total = 0, maxb = 0, es = t3d_dtype_size(r->dtype);
-      for (int p = 0; p < comm->size; p++) {
-        total += r->rcounts[p] * es;
-        if (r->rcounts[p] * es > maxb) maxb = r->rcounts[p] * es;
-      }
+      return t3d__shm_rs_fits(comm->shm, total, maxb, es);
+    case T3D_OP_ALLGATHERV:
+      total = rcounts_bytes(r, comm->size, &maxb);
       return total <= (uint64_t)comm->inline_max && t3d__shm_gather_fits(comm->shm, total, maxb);
-    }
     default: return 0;
   }
 }
 
-/* An allgatherv's counts and displacements in bytes (gather_start / gather_finish), or NULL. */
-static size_t *gather_bytes(t3d_exec_t *ex, const t3d_request_t *r) {
-  return to_bytes(r->rcounts, r->rdispls, ex->size, t3d_dtype_size(r->dtype));
-}
-
 static t3d_result_t finish_inline(t3d_exec_t *ex, t3d_request_t *r) {
-  if (r->kind == T3D_OP_BARRIER) return t3d__shm_barrier_finish(ex, &r->rs);
-  if (r->kind == T3D_OP_REDUCE_SCATTERV) {
-    t3d_redop_t op = r->op == T3D_AVG ? T3D_SUM : r->op;
-    T3D_CHECK(t3d__shm_rs_finish(ex, &r->rs, r->sendbuf, r->recvbuf, r->rcounts, r->dtype, op));
-    if (r->op == T3D_AVG) t3d__divide(r->recvbuf, r->rcounts[ex->rank], r->dtype, ex->size);
-    return T3D_OK;
-  }
-  if (r->kind == T3D_OP_ALLGATHERV) {
-    size_t *b = gather_bytes(ex, r);
-    if (b == NULL) return T3D_ERR_NO_MEMORY;
-    t3d_result_t res = t3d__shm_gather_finish(ex, &r->rs, r->recvbuf, b, b + ex->size);
-    free(b);
-    return res;
-  }
-  if (r->kind == T3D_OP_BROADCAST) {
-    return t3d__shm_bcast_finish(ex, &r->rs, r->recvbuf, r->count * t3d_dtype_size(r->dtype), r->root);
-  }
-  size_t n;
-  t3d_dtype_t dt = fold_type(r, &n);
+  size_t es = t3d_dtype_size(r->dtype);
   t3d_redop_t op = r->op == T3D_AVG ? T3D_SUM : r->op;
-  T3D_CHECK(t3d__shm_oneshot_finish(ex, &r->rs, r->sendbuf, r->recvbuf, n, dt, op));
+  size_t n = 0; /* elements AVG divides */
+  t3d_dtype_t dt = r->dtype;
+  switch (r->kind) {
+    case T3D_OP_BARRIER: return t3d__shm_barrier_finish(ex, &r->rs);
+    case T3D_OP_BROADCAST: return t3d__shm_bcast_finish(ex, &r->rs, r->recvbuf, r->count * es, r->root);
+    case T3D_OP_ALLGATHERV: return t3d__shm_gather_finish(ex, &r->rs, r->recvbuf, r->rcounts, r->rdispls, es);
+    case T3D_OP_REDUCE_SCATTERV:
+      n = r->rcounts[ex->rank];
+      T3D_CHECK(t3d__shm_rs_finish(ex, &r->rs, r->sendbuf, r->recvbuf, r->rcounts, dt, op));
+      break;
+    default:
+      dt = fold_type(r, &n);
+      T3D_CHECK(t3d__shm_oneshot_finish(ex, &r->rs, r->sendbuf, r->recvbuf, n, dt, op));
+      break;
+  }
   if (r->op == T3D_AVG) t3d__divide(r->recvbuf, n, dt, ex->size);
   return T3D_OK;
 }
 
 t3d_result_t t3d__execute_start(t3d_exec_t *ex, t3d_request_t *r) {
-  size_t bytes = r->count * t3d_dtype_size(r->dtype);
+  size_t es = t3d_dtype_size(r->dtype);
   int who = -1;
-  if (r->kind == T3D_OP_BARRIER) {
-    t3d__shm_barrier_start(ex, &r->rs);
-  } else if (r->kind == T3D_OP_REDUCE_SCATTERV) {
-    T3D_CHECK(t3d__shm_rs_start(ex, r->sendbuf, r->rcounts, r->dtype, &r->rs));
-    if (r->rcounts[ex->rank] == 0) return T3D_OK;
-  } else if (r->kind == T3D_OP_ALLGATHERV) {
-    size_t *b = gather_bytes(ex, r);
-    if (b == NULL) return T3D_ERR_NO_MEMORY;
-    t3d_result_t res = t3d__shm_gather_start(ex, r->sendbuf, r->recvbuf, b, b + ex->size, &r->rs);
-    free(b);
-    T3D_CHECK(res);
-  } else if (r->kind == T3D_OP_BROADCAST) {
-    T3D_CHECK(t3d__shm_bcast_start(ex, r->recvbuf, bytes, r->root, &r->rs));
-    if (ex->rank == r->root) return T3D_OK;
-    who = r->root;
-  } else {
-    T3D_CHECK(t3d__shm_oneshot_start(ex, r->sendbuf, bytes, &r->rs));
+  switch (r->kind) {
+    case T3D_OP_BARRIER: t3d__shm_barrier_start(ex, &r->rs); break;
+    case T3D_OP_BROADCAST:
+      T3D_CHECK(t3d__shm_bcast_start(ex, r->recvbuf, r->count * es, r->root, &r->rs));
+      if (ex->rank == r->root) return T3D_OK;
+      who = r->root;
+      break;
+    case T3D_OP_ALLGATHERV:
+      T3D_CHECK(t3d__shm_gather_start(ex, r->sendbuf, r->recvbuf, r->rcounts, r->rdispls, es, &r->rs));
+      break;
+    case T3D_OP_REDUCE_SCATTERV:
+      T3D_CHECK(t3d__shm_rs_start(ex, r->sendbuf, r->rcounts, r->dtype, &r->rs));
+      if (r->rcounts[ex->rank] == 0) return finish_inline(ex, r); /* nothing to fold: waits for nobody */
+      break;
+    default: T3D_CHECK(t3d__shm_oneshot_start(ex, r->sendbuf, r->count * es, &r->rs)); break;
   }
   /* Peers that issue at about the same time arrive within microseconds; later ones are the progress thread's
    * business, so that the call stays non-blocking. */
-  if (!t3d__shm_start_wait(ex, &r->rs, who, t3d__now_ns() + ex->comm->inline_wait_ns)) {
-    r->resume = 1;
-    return T3D_IN_PROGRESS;
-  }
+  t3d_result_t res = t3d__shm_start_wait(ex, &r->rs, who, t3d__now_ns() + ex->comm->inline_wait_ns);
+  if (res == T3D_IN_PROGRESS) r->resume = 1;
+  if (res != T3D_OK) return res;
   return finish_inline(ex, r);
 }
 

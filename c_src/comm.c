@@ -78,8 +78,8 @@ t3d_result_t t3d__store_get(t3d_comm_t *comm, const char *key, void **value, siz
  * When this host runs as many ranks as it has cores or more, the peer we wait for is often queued behind us on our
  * own core (measured: two ranks on two cores share one about half the time, as the scheduler places a woken task
  * next to its waker): the spin phase is skipped. With more ranks than cores every polling thread also takes turns
- * from the ranks that have work: the yield phase is cut to T3D_YIELD_NS_OVERSUBSCRIBED (20 us) and
- * t3d_oversubscribed() tells the other pollers (t3d__backoff_note_ranks). With exactly as many, a rank still has
+ * from the ranks that have work: the yield phase is cut to T3D_YIELD_NS_OVERSUBSCRIBED (20 us) and the idle
+ * progress thread stops watching its queue (t3d__backoff_note_ranks, t3d__oversubscribed). With exactly as many, a rank still has
  * about a core to itself, and blocking would cost a wake-up per step of a pipelined operation (measured, 2 ranks:
  * small broadcast 22 -> 45 us, 64 MiB allreduce 86% -> 73% of its bound). */
 static _Atomic int64_t spin_ns = -1;  /* -1: not decided yet */
@@ -112,14 +112,16 @@ void t3d__backoff_note_ranks(int local_ranks) {
   }
 }
 
-int t3d_oversubscribed(void) { return atomic_load(&oversubscribed); }
+int t3d__oversubscribed(void) { return atomic_load(&oversubscribed); }
 
 void t3d__backoff_reset(t3d_backoff_t *b) { b->since = 0; }
 
-int t3d__backoff_poll(t3d_backoff_t *b) {
+int t3d__backoff_poll(t3d_backoff_t *b) { return t3d_backoff_poll(&b->since); }
+
+int t3d_backoff_poll(uint64_t *since) {
   uint64_t now = t3d__now_ns();
-  if (b->since == 0) b->since = now;
-  uint64_t idle = now - b->since;
+  if (*since == 0) *since = now;
+  uint64_t idle = now - *since;
   uint64_t spin = (uint64_t)budget(&spin_ns, "T3D_SPIN_NS", 5000);
   if (idle < spin) {
     for (int i = 0; i < 8; i++) __builtin_ia32_pause();
@@ -641,7 +643,7 @@ static void *progress_main(void *arg) {
     /* Going idle: watch the queue for ~200 us first (yielding); a condition-variable wake-up costs tens of
      * microseconds, more than a small collective. Not when ranks outnumber cores: the watcher would take turns
      * from the ranks that have work. */
-    if (comm->active_p2p == NULL && !t3d_oversubscribed()) {
+    if (comm->active_p2p == NULL && !t3d__oversubscribed()) {
       uint64_t until = t3d__now_ns() + 200000;
       int spins = 0;
       while (__atomic_load_n(&comm->q_head, __ATOMIC_ACQUIRE) == NULL && !__atomic_load_n(&comm->stop, __ATOMIC_ACQUIRE) &&

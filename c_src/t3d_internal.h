@@ -135,10 +135,12 @@ typedef struct t3d_backoff {
 } t3d_backoff_t;
 void t3d__backoff_reset(t3d_backoff_t *b);
 /* Tells the backoff how many ranks of one communicator share this host (as many as cores or more: no spinning;
- * more: also a short yield phase, and t3d_oversubscribed() says so). */
+ * more: also a short yield phase, and t3d__oversubscribed() says so). */
 void t3d__backoff_note_ranks(int local_ranks);
-/* Spins or yields once and returns 0 while in those phases; returns 1 at once when past them: the caller should
- * block on its own wake-up signal (with a bounded timeout, so that it still checks for abort and deadline). */
+int t3d__oversubscribed(void);
+/* t3d_backoff_poll (t3d.h): spins or yields once and returns 0 while in those phases; returns 1 at once when past
+ * them: the caller should block on its own wake-up signal (with a bounded timeout, so that it still checks for
+ * abort and deadline). */
 int t3d__backoff_poll(t3d_backoff_t *b);
 /* t3d__backoff_poll for waiters without a wake-up signal: past the yield phase, naps of ~20 us. */
 void t3d__backoff_wait(t3d_backoff_t *b);
@@ -165,22 +167,22 @@ t3d_result_t t3d__shm_alltoallv(t3d_exec_t *ex, const void *sendbuf, const size_
                                 void *recvbuf, const size_t *rbytes, const size_t *rdispls);
 t3d_result_t t3d__shm_barrier(t3d_exec_t *ex);
 /* Collectives a caller starts on its own thread, in parts: start publishes what this rank contributes and never
- * waits; start_wait waits until rank `who` (-1: every other rank) has published, or until `until` (t3d__now_ns),
- * and says whether it has; finish waits for the rest and completes. Between start and finish no other operation may
+ * waits; start_wait waits until rank `who` (-1: every other rank) has published (T3D_OK), until `until`
+ * (t3d__now_ns; then T3D_IN_PROGRESS) or an error (abort, deadline); finish waits for the rest and completes. Between start and finish no other operation may
  * run on the communicator. They take the same steps as the queued versions, so ranks may take either path.
  *   allreduce: oneshot_*, when oneshot_fits says the size qualifies and the half is free; who = -1.
  *   broadcast: bcast_*, when bcast_fits (one half; the root needs it free); the root is done after start; the
  *              others wait for who = root.
  *   barrier:   barrier_*; who = -1.
- *   allgatherv: gather_*, when gather_fits (every block fits one half, which must be free); who = -1; bytes and
- *              displacements in bytes, as for t3d__shm_allgatherv.
+ *   allgatherv: gather_*, when gather_fits (every block fits one half, which must be free); who = -1; counts
+ *              and displacements in elements of es bytes.
  *   reduce_scatterv: rs_*, when rs_fits (one step; the half must be free) and the output does not overlap the
- *              input; a rank whose own block is empty is done after start; who = -1. */
+ *              input; who = -1 (a rank whose own block is empty waits for nobody: finish right after start). */
 typedef struct t3d_shm_resume {
   int h;
   uint64_t base;
 } t3d_shm_resume_t;
-int t3d__shm_start_wait(t3d_exec_t *ex, const t3d_shm_resume_t *rs, int who, uint64_t until);
+t3d_result_t t3d__shm_start_wait(t3d_exec_t *ex, const t3d_shm_resume_t *rs, int who, uint64_t until);
 int t3d__shm_oneshot_fits(t3d_shm_t *shm, size_t bytes);
 t3d_result_t t3d__shm_oneshot_start(t3d_exec_t *ex, const void *sendbuf, size_t bytes, t3d_shm_resume_t *rs);
 t3d_result_t t3d__shm_oneshot_finish(t3d_exec_t *ex, const t3d_shm_resume_t *rs, const void *sendbuf, void *recvbuf,
@@ -189,11 +191,11 @@ int t3d__shm_bcast_fits(t3d_shm_t *shm, size_t bytes, int root);
 t3d_result_t t3d__shm_bcast_start(t3d_exec_t *ex, const void *buf, size_t bytes, int root, t3d_shm_resume_t *rs);
 t3d_result_t t3d__shm_bcast_finish(t3d_exec_t *ex, const t3d_shm_resume_t *rs, void *buf, size_t bytes, int root);
 int t3d__shm_gather_fits(t3d_shm_t *shm, size_t total_bytes, size_t max_block_bytes);
-t3d_result_t t3d__shm_gather_start(t3d_exec_t *ex, const void *sendbuf, void *recvbuf, const size_t *bytes,
-                                   const size_t *displs_bytes, t3d_shm_resume_t *rs);
-t3d_result_t t3d__shm_gather_finish(t3d_exec_t *ex, const t3d_shm_resume_t *rs, void *recvbuf, const size_t *bytes,
-                                    const size_t *displs_bytes);
-int t3d__shm_rs_fits(t3d_shm_t *shm, const size_t *counts, t3d_dtype_t dt);
+t3d_result_t t3d__shm_gather_start(t3d_exec_t *ex, const void *sendbuf, void *recvbuf, const size_t *counts,
+                                   const size_t *displs, size_t es, t3d_shm_resume_t *rs);
+t3d_result_t t3d__shm_gather_finish(t3d_exec_t *ex, const t3d_shm_resume_t *rs, void *recvbuf, const size_t *counts,
+                                    const size_t *displs, size_t es);
+int t3d__shm_rs_fits(t3d_shm_t *shm, size_t total_bytes, size_t max_block_bytes, size_t es);
 t3d_result_t t3d__shm_rs_start(t3d_exec_t *ex, const void *sendbuf, const size_t *counts, t3d_dtype_t dt,
                                t3d_shm_resume_t *rs);
 t3d_result_t t3d__shm_rs_finish(t3d_exec_t *ex, const t3d_shm_resume_t *rs, const void *sendbuf, void *recvbuf,

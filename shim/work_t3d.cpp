@@ -3,9 +3,7 @@
 // attached with then() may block on further collectives, which must not stall the progress thread).
 #include "work_t3d.hpp"
 
-#include <algorithm>
 #include <chrono>
-#include <thread>
 
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
@@ -222,18 +220,14 @@ std::vector<at::Tensor> WorkT3D::result() {
 
 bool WorkT3D::wait(std::chrono::milliseconds timeout) {
   int64_t ms = timeout == kNoTimeout ? timeoutMs_ + kWaitGraceMs : timeout.count();
-  // Poll, then yield, for a short while before sleeping: a small collective completes in microseconds, and waking
-  // from a condition variable on an idle core costs tens of them. When ranks outnumber cores, a poller takes turns
-  // from the ranks that have work: block after a few polls instead.
-  const int64_t poll_us = t3d_oversubscribed() ? 0 : 2000;
-  auto poll_until = std::chrono::steady_clock::now() + std::chrono::microseconds(std::min<int64_t>(ms * 1000, poll_us));
-  for (int i = 0; !done_.load(std::memory_order_acquire); i++) {
-    if (i < 64) continue;
-    if (std::chrono::steady_clock::now() >= poll_until) break;
-    std::this_thread::yield();
+  // Poll as t3d's own waits do (spin, yield, then block): a small collective completes in microseconds, and waking
+  // from a condition variable costs tens of them; with more ranks than cores the library cuts polling short.
+  const auto start = std::chrono::steady_clock::now();
+  uint64_t since = 0;
+  while (!done_.load(std::memory_order_acquire) && !t3d_backoff_poll(&since)) {
   }
   std::unique_lock<std::mutex> lk(mutex_);
-  bool done = cv_.wait_for(lk, std::chrono::milliseconds(ms), [this] { return completed_; });
+  bool done = cv_.wait_until(lk, start + std::chrono::milliseconds(ms), [this] { return completed_; });
   if (!done) {
     lk.unlock();
     C10_THROW_ERROR(DistBackendError, c10::str("t3d: wait timed out after ", ms, " ms: ", describe(),

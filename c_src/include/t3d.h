@@ -130,10 +130,12 @@ const char *t3d_comm_last_error(t3d_comm_t *comm);
 const char *t3d_comm_transport(const t3d_comm_t *comm);
 /* Text of the last error recorded on the calling thread, by any communicator or by a t3d_comm_init that failed. */
 const char *t3d_thread_last_error(void);
-/* 1 once a communicator of this process has found more of its ranks on this host than the process may use cores: a
- * thread waiting for t3d should then block soon rather than poll, as pollers take turns from the ranks that have
- * work. */
-int t3d_oversubscribed(void);
+/* One step of t3d's waiting policy, for a caller's own poll loop (the torch shim's Work::wait): spins or yields once
+ * and returns 0 while polling is still worth it, 1 once the caller should block instead. *since is 0 before the
+ * first call. The policy: spin ~5 us (T3D_SPIN_NS; not when this host runs as many ranks of a communicator as the
+ * process may use cores), then yield for 2 ms (T3D_YIELD_NS; 20 us, T3D_YIELD_NS_OVERSUBSCRIBED, with more ranks
+ * than cores, where every poller takes turns from the ranks that have work). */
+int t3d_backoff_poll(uint64_t *since);
 
 /* Collectives. Counts are in elements of dtype. sendbuf == recvbuf means in place. Buffers must stay valid until the
  * request completes; count/displacement arrays are copied at call time. */

@@ -321,7 +321,7 @@ static t3d_result_t fail_wait(t3d_shm_t *s, t3d_exec_t *ex, int lo, int hi, uint
   return t3d__exec_check(ex, names);
 }
 
-t3d_result_t t3d__shm_wait(t3d_shm_t *s, t3d_exec_t *ex, int who, uint64_t target) {
+t3d_result_t t3d__shm_wait_until(t3d_shm_t *s, t3d_exec_t *ex, int who, uint64_t target, uint64_t until) {
   int lo = who < 0 ? 0 : who, hi = who < 0 ? s->size : who + 1;
   int next = lo; /* flags only grow: a rank seen at target stays there */
   t3d_backoff_t b = {0};
@@ -333,7 +333,8 @@ t3d_result_t t3d__shm_wait(t3d_shm_t *s, t3d_exec_t *ex, int who, uint64_t targe
     if (next == hi) break;
     if (next != before) t3d__backoff_reset(&b);
     if ((it & 15) == 0 && t3d__exec_check(ex, "") != T3D_OK) return fail_wait(s, ex, lo, hi, target);
-    t3d__shm_backoff(s, &b, next, target, 0);
+    if (until != 0 && t3d__now_ns() >= until) return T3D_IN_PROGRESS;
+    t3d__shm_backoff(s, &b, next, target, until);
   }
   if (who < 0 && target > s->seen_all) s->seen_all = target;
   return T3D_OK;

@@ -84,19 +84,8 @@ t3d_result_t t3d__shm_oneshot_start(t3d_exec_t *ex, const void *sendbuf, size_t 
   return T3D_OK;
 }
 
-int t3d__shm_start_wait(t3d_exec_t *ex, const t3d_shm_resume_t *rs, int who, uint64_t until) {
-  t3d_shm_t *s = t3d__exec_shm(ex);
-  t3d_backoff_t b = {0};
-  int lo = who < 0 ? 0 : who, hi = who < 0 ? s->size : who + 1;
-  for (int p = lo; p < hi;) {
-    if (p == s->rank || atomic_load_explicit(t3d__shm_flag(s, p), memory_order_acquire) >= rs->base + 1) {
-      p++;
-      continue;
-    }
-    if (t3d__now_ns() >= until) return 0;
-    t3d__shm_backoff(s, &b, p, rs->base + 1, until);
-  }
-  return 1;
+t3d_result_t t3d__shm_start_wait(t3d_exec_t *ex, const t3d_shm_resume_t *rs, int who, uint64_t until) {
+  return t3d__shm_wait_until(t3d__exec_shm(ex), ex, who, rs->base + 1, until);
 }
 
 t3d_result_t t3d__shm_oneshot_finish(t3d_exec_t *ex, const t3d_shm_resume_t *rs, const void *sendbuf, void *recvbuf,
@@ -210,6 +199,9 @@ typedef struct {
   int own_direct; /* the own block is folded straight from sendbuf (not copied into the half) */
 } rs_layout_t;
 
+/* Elements of each block one step carries: a line-aligned share of the half per owner. */
+static size_t rs_piece(const t3d_shm_t *s, size_t es) { return s->half / (size_t)s->size / 64 * 64 / es; }
+
 static void rs_layout(t3d_shm_t *s, const size_t *counts, t3d_dtype_t dt, int own_direct, rs_layout_t *l) {
   l->counts = counts;
   l->es = t3d_dtype_size(dt);
@@ -219,7 +211,7 @@ static void rs_layout(t3d_shm_t *s, const size_t *counts, t3d_dtype_t dt, int ow
     l->total += counts[q];
     if (counts[q] > l->maxc) l->maxc = counts[q];
   }
-  l->P = s->half / (size_t)s->size / 64 * 64 / l->es;
+  l->P = rs_piece(s, l->es);
   l->own_direct = own_direct;
 }
 
@@ -290,13 +282,8 @@ out:
 }
 
 /* A reduce_scatterv in one step, in parts, when the output does not overlap the input (no scratch). */
-int t3d__shm_rs_fits(t3d_shm_t *s, const size_t *counts, t3d_dtype_t dt) {
-  size_t es = t3d_dtype_size(dt), total = 0, maxc = 0;
-  for (int q = 0; q < s->size; q++) {
-    total += counts[q];
-    if (counts[q] > maxc) maxc = counts[q];
-  }
-  return total > 0 && maxc <= s->half / (size_t)s->size / 64 * 64 / es && next_half_free(s);
+int t3d__shm_rs_fits(t3d_shm_t *s, size_t total_bytes, size_t max_block_bytes, size_t es) {
+  return total_bytes > 0 && max_block_bytes <= rs_piece(s, es) * es && next_half_free(s);
 }
 
 t3d_result_t t3d__shm_rs_start(t3d_exec_t *ex, const void *sendbuf, const size_t *counts, t3d_dtype_t dt,
@@ -308,15 +295,12 @@ t3d_result_t t3d__shm_rs_start(t3d_exec_t *ex, const void *sendbuf, const size_t
   t3d__shm_step_begin(s, 2, &st);
   rs->h = st.h;
   rs->base = st.base;
-  T3D_CHECK(rs_publish(s, ex, &st, &l, sendbuf, 0));
-  if (counts[s->rank] == 0) t3d__shm_post(s, st.base + 2); /* nothing to fold: done */
-  return T3D_OK;
+  return rs_publish(s, ex, &st, &l, sendbuf, 0);
 }
 
 t3d_result_t t3d__shm_rs_finish(t3d_exec_t *ex, const t3d_shm_resume_t *rs, const void *sendbuf, void *recvbuf,
                                 const size_t *counts, t3d_dtype_t dt, t3d_redop_t op) {
   t3d_shm_t *s = t3d__exec_shm(ex);
-  if (counts[s->rank] == 0) return T3D_OK;
   rs_layout_t l;
   rs_layout(s, counts, dt, 1, &l);
   t3d_shm_step_t st = {rs->h, rs->base, 0, 1};
@@ -379,40 +363,42 @@ t3d_result_t t3d__shm_bcast_finish(t3d_exec_t *ex, const t3d_shm_resume_t *rs, v
 
 /* ---------- allgatherv ---------- */
 
+/* Blocks are counts[p] * es bytes at displs[p] * es: the queued path passes bytes (es 1), the inline one the
+ * request's element counts. */
 typedef struct {
   t3d_shm_t *s;
   t3d_exec_t *ex;
   const t3d_shm_step_t *st;
   char *rb;
-  const size_t *bytes, *displs;
-  size_t lo, total;
+  const size_t *counts, *displs;
+  size_t es, lo, total;
   int nt;
   t3d_result_t res;
 } gather_ctx_t;
 
 static void gather_from(void *arg, int p) {
   gather_ctx_t *c = arg;
+  size_t blk = c->counts[p] * c->es;
   if (c->lo == 0 && c->res == T3D_OK) c->res = t3d__shm_check_info(c->s, c->ex, c->st, p, T3D_OP_ALLGATHERV, c->total);
-  if (c->res != T3D_OK || c->lo >= c->bytes[p]) return;
-  t3d__shm_copy(c->rb + c->displs[p] + c->lo, t3d__shm_half(c->s, p, c->st->h),
-                min_sz(c->s->half, c->bytes[p] - c->lo), c->nt);
+  if (c->res != T3D_OK || c->lo >= blk) return;
+  t3d__shm_copy(c->rb + c->displs[p] * c->es + c->lo, t3d__shm_half(c->s, p, c->st->h),
+                min_sz(c->s->half, blk - c->lo), c->nt);
 }
 
-static size_t gather_total(int n, const size_t *bytes, size_t *maxb) {
+static size_t gather_total(int n, const size_t *counts, size_t es, size_t *maxb) {
   size_t total = 0;
   *maxb = 0;
   for (int p = 0; p < n; p++) {
-    total += bytes[p];
-    if (bytes[p] > *maxb) *maxb = bytes[p];
+    total += counts[p] * es;
+    if (counts[p] * es > *maxb) *maxb = counts[p] * es;
   }
   return total;
 }
 
 /* In place (sendbuf NULL, equal to recvbuf, or already our block): the block is where it belongs. */
-static char *gather_own(t3d_shm_t *s, const void *sendbuf, void *recvbuf, const size_t *bytes, const size_t *displs) {
-  char *own = (char *)recvbuf + displs[s->rank];
-  if (sendbuf != NULL && sendbuf != recvbuf && (const char *)sendbuf != own && bytes[s->rank] > 0)
-    memmove(own, sendbuf, bytes[s->rank]);
+static char *gather_own(t3d_shm_t *s, const void *sendbuf, void *recvbuf, size_t mine, size_t displ) {
+  char *own = (char *)recvbuf + displ;
+  if (sendbuf != NULL && sendbuf != recvbuf && (const char *)sendbuf != own && mine > 0) memmove(own, sendbuf, mine);
   return own;
 }
 
@@ -429,53 +415,61 @@ static t3d_result_t gather_publish(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_s
 }
 
 /* Copies every peer's piece as soon as it is there, then posts phase 2. */
-static t3d_result_t gather_collect(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step_t *st, void *recvbuf,
-                                   const size_t *bytes, const size_t *displs, size_t lo, size_t total) {
-  gather_ctx_t c = {s, ex, st, recvbuf, bytes, displs, lo, total, s->nt && total >= s->nt_min, T3D_OK};
-  T3D_CHECK(t3d__shm_wait_each(s, ex, st->base + 1, gather_from, &c));
-  T3D_CHECK(c.res);
-  t3d__shm_post(s, st->base + 2);
+static t3d_result_t gather_collect(gather_ctx_t *c) {
+  T3D_CHECK(t3d__shm_wait_each(c->s, c->ex, c->st->base + 1, gather_from, c));
+  T3D_CHECK(c->res);
+  t3d__shm_post(c->s, c->st->base + 2);
   return T3D_OK;
+}
+
+static gather_ctx_t gather_ctx(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step_t *st, void *recvbuf,
+                               const size_t *counts, const size_t *displs, size_t es, size_t lo, size_t total) {
+  gather_ctx_t c = {s, ex, st, recvbuf, counts, displs, es, lo, total, s->nt && total >= s->nt_min, T3D_OK};
+  return c;
 }
 
 t3d_result_t t3d__shm_allgatherv(t3d_exec_t *ex, const void *sendbuf, void *recvbuf, const size_t *bytes,
                                  const size_t *displs_bytes) {
   t3d_shm_t *s = t3d__exec_shm(ex);
-  size_t maxb, total = gather_total(s->size, bytes, &maxb);
+  size_t maxb, total = gather_total(s->size, bytes, 1, &maxb);
   if (total == 0) return T3D_OK;
-  const char *own = gather_own(s, sendbuf, recvbuf, bytes, displs_bytes);
+  size_t mine = bytes[s->rank];
+  const char *own = gather_own(s, sendbuf, recvbuf, mine, displs_bytes[s->rank]);
   for (size_t lo = 0; lo < maxb; lo += s->half) {
     t3d_shm_step_t st;
     t3d__shm_step_begin(s, 2, &st);
-    T3D_CHECK(gather_publish(s, ex, &st, own, bytes[s->rank], lo, total));
-    T3D_CHECK(gather_collect(s, ex, &st, recvbuf, bytes, displs_bytes, lo, total));
+    T3D_CHECK(gather_publish(s, ex, &st, own, mine, lo, total));
+    gather_ctx_t c = gather_ctx(s, ex, &st, recvbuf, bytes, displs_bytes, 1, lo, total);
+    T3D_CHECK(gather_collect(&c));
   }
   return T3D_OK;
 }
 
 /* An allgatherv whose blocks each fit one half, in parts (one step of the loop above). */
-int t3d__shm_gather_fits(t3d_shm_t *s, size_t total, size_t maxb) {
-  return total > 0 && maxb <= s->half && next_half_free(s);
+int t3d__shm_gather_fits(t3d_shm_t *s, size_t total_bytes, size_t max_block_bytes) {
+  return total_bytes > 0 && max_block_bytes <= s->half && next_half_free(s);
 }
 
-t3d_result_t t3d__shm_gather_start(t3d_exec_t *ex, const void *sendbuf, void *recvbuf, const size_t *bytes,
-                                   const size_t *displs_bytes, t3d_shm_resume_t *rs) {
+t3d_result_t t3d__shm_gather_start(t3d_exec_t *ex, const void *sendbuf, void *recvbuf, const size_t *counts,
+                                   const size_t *displs, size_t es, t3d_shm_resume_t *rs) {
   t3d_shm_t *s = t3d__exec_shm(ex);
-  size_t maxb, total = gather_total(s->size, bytes, &maxb);
-  const char *own = gather_own(s, sendbuf, recvbuf, bytes, displs_bytes);
+  size_t maxb, total = gather_total(s->size, counts, es, &maxb);
+  size_t mine = counts[s->rank] * es;
+  const char *own = gather_own(s, sendbuf, recvbuf, mine, displs[s->rank] * es);
   t3d_shm_step_t st;
   t3d__shm_step_begin(s, 2, &st);
   rs->h = st.h;
   rs->base = st.base;
-  return gather_publish(s, ex, &st, own, bytes[s->rank], 0, total);
+  return gather_publish(s, ex, &st, own, mine, 0, total);
 }
 
-t3d_result_t t3d__shm_gather_finish(t3d_exec_t *ex, const t3d_shm_resume_t *rs, void *recvbuf, const size_t *bytes,
-                                    const size_t *displs_bytes) {
+t3d_result_t t3d__shm_gather_finish(t3d_exec_t *ex, const t3d_shm_resume_t *rs, void *recvbuf, const size_t *counts,
+                                    const size_t *displs, size_t es) {
   t3d_shm_t *s = t3d__exec_shm(ex);
-  size_t maxb, total = gather_total(s->size, bytes, &maxb);
+  size_t maxb, total = gather_total(s->size, counts, es, &maxb);
   t3d_shm_step_t st = {rs->h, rs->base, 0, 1};
-  return gather_collect(s, ex, &st, recvbuf, bytes, displs_bytes, 0, total);
+  gather_ctx_t c = gather_ctx(s, ex, &st, recvbuf, counts, displs, es, 0, total);
+  return gather_collect(&c);
 }
 
 /* ---------- alltoallv ---------- */

@@ -61,16 +61,18 @@ def iters_for(nbytes: int) -> tuple[int, int]:
 
 # ---------------------------------------------------------------- one rank, torch.distributed backends
 
-def _make_op(op: str, nbytes: int, rank: int, n: int, dist, torch):
-    """Buffers, a callable that runs the op once, and a checker of the last result."""
+def _make_op(op: str, nbytes: int, rank: int, n: int, dist, torch, group=None):
+    """Buffers, a callable that runs the op once, and a checker of the last result. `group` (all_reduce only, for
+    the dispatch floor): run on that group instead of the world."""
     count = max(1, nbytes // 4)
     if op == "all_reduce":
         x = torch.full((count,), float(rank + 1))
         expect = n * (n + 1) / 2
+        group = dist.group.WORLD if group is None else group  # passed explicitly either way: the same call
 
-        def run():  # the group passed explicitly, as the floor's loop (_floor_op) passes its own
+        def run():
             x.fill_(float(rank + 1))
-            dist.all_reduce(x, group=dist.group.WORLD)
+            dist.all_reduce(x, group=group)
         return run, lambda: bool(torch.all(x == expect)), count * 4
     if op == "all_gather":
         per = max(1, count // n)
@@ -131,16 +133,6 @@ def _max_over_ranks(x: float, dist, torch) -> float:
 BATCHES = 5
 
 
-def _floor_op(nbytes: int, rank: int, dist, torch, group):
-    """The all_reduce loop body of _make_op on the no-op group: what torch costs without any communication."""
-    x = torch.full((max(1, nbytes // 4),), float(rank + 1))
-
-    def run():
-        x.fill_(float(rank + 1))
-        dist.all_reduce(x, group=group)
-    return run
-
-
 def _timed(run, iters: int) -> float:
     t0 = time.perf_counter()
     for _ in range(iters):
@@ -166,7 +158,8 @@ def _rank_main(rank: int, n: int, backend: str, init: str, ops: list[str], sizes
                 continue
             for nbytes in sizes:
                 run, check, size_b = _make_op(op, nbytes, rank, n, dist, torch)
-                floor_run = _floor_op(nbytes, rank, dist, torch, fake) if op == "all_reduce" else None
+                floor_run = (_make_op(op, nbytes, rank, n, dist, torch, group=fake)[0] if op == "all_reduce"
+                             else None)
                 warm, iters = iters_for(nbytes)
                 t0 = time.perf_counter()
                 for _ in range(warm):
