@@ -1,6 +1,7 @@
 /* comm.c: the communicator engine: init/split/destroy/abort, the progress thread that runs operations in issue
  * order, requests and their completion, groups, and the point-to-point primitives collectives are built from. */
 #include "comm.h"
+#include "nccl/nccl_internal.h"
 
 #include <errno.h>
 #include <sched.h>
@@ -155,6 +156,12 @@ t3d_result_t t3d__request_new(t3d_comm_t *comm, t3d_op_kind_t kind, const t3d_op
   r->timeout_ms = (opts != NULL && opts->timeout_ms > 0) ? opts->timeout_ms : comm->timeout_ms;
   r->scalar = opts != NULL ? opts->premul_scalar : 1.0;
   r->flags = opts != NULL ? opts->flags : 0u;
+  /* A barrier has no buffers: it always runs on the host. */
+  if (opts != NULL && opts->memtype == T3D_MEM_CUDA && kind != T3D_OP_BARRIER) {
+    r->memtype = T3D_MEM_CUDA;
+    r->device = opts->device;
+    r->stream = opts->stream;
+  }
   r->source = -1;
   *out = r;
   return T3D_OK;
@@ -202,6 +209,8 @@ static void complete(t3d_request_t *r, t3d_result_t res, const char *msg) {
   }
   t3d__request_release(r); /* the engine's reference */
 }
+
+void t3d__request_complete(t3d_request_t *req, t3d_result_t res, const char *msg) { complete(req, res, msg); }
 
 t3d_result_t t3d_test(t3d_request_t *req) {
   if (req == NULL) return T3D_ERR_INVALID_ARG;
@@ -295,6 +304,17 @@ t3d_result_t t3d__submit(t3d_comm_t *comm, t3d_request_t *r, t3d_request_t **out
     comm->group_tail = r;
     return T3D_OK;
   }
+  if (r->memtype == T3D_MEM_CUDA) {
+    /* NCCL enqueues on the caller's stream at once; an error is the call's, and no request is handed out. */
+    pthread_mutex_unlock(&comm->mu);
+    t3d_result_t res = t3d__nccl_run(comm, &r, 1, 0);
+    if (res < 0) {
+      *out = NULL;
+      t3d__request_release(r);
+      return res;
+    }
+    return T3D_OK;
+  }
   /* A small collective on an idle engine starts on the caller's thread: two thread hand-offs cost more than the
    * operation. */
   if (coll && comm->q_head == NULL && !comm->busy && t3d__inline_eligible(comm, r)) {
@@ -326,15 +346,36 @@ t3d_result_t t3d_group_end(t3d_comm_t *comm, t3d_request_t **req) {
   }
   t3d_request_t *g = NULL;
   T3D_CHECK(t3d__request_new(comm, T3D_OP_GROUP, NULL, &g));
-  g->children = comm->group_head;
-  comm->group_head = comm->group_tail = NULL;
-  int n = 0;
-  for (t3d_request_t *c = g->children; c != NULL; c = c->next_child) {
-    c->parent = g;
+  /* Host children go to the engine as the group; CUDA ones are issued here as one NCCL group. */
+  int n = 0, ncuda = 0;
+  for (t3d_request_t *c = comm->group_head; c != NULL; c = c->next_child) {
     n++;
+    ncuda += c->memtype == T3D_MEM_CUDA;
+  }
+  t3d_request_t **cuda = ncuda > 0 ? malloc(sizeof *cuda * (size_t)ncuda) : NULL;
+  if (ncuda > 0 && cuda == NULL) {
+    t3d__request_release(g);
+    t3d__request_release(g);
+    return t3d__set_error(comm, T3D_ERR_NO_MEMORY, "t3d_group_end: out of memory on rank %d", comm->rank);
+  }
+  t3d_request_t *c = comm->group_head, *next, **host_tail = &g->children;
+  comm->group_head = comm->group_tail = NULL;
+  ncuda = 0;
+  for (; c != NULL; c = next) {
+    next = c->next_child;
+    c->next_child = NULL;
+    c->parent = g;
+    if (c->memtype == T3D_MEM_CUDA) {
+      cuda[ncuda++] = c;
+    } else {
+      *host_tail = c;
+      host_tail = &c->next_child;
+    }
   }
   /* One extra count held by the engine until every child has been issued, so the group cannot complete early. */
   atomic_init(&g->pending_children, n + 1);
+  if (ncuda > 0) t3d__nccl_run(comm, cuda, ncuda, 1);
+  free(cuda);
   enqueue(comm, g);
   if (req != NULL) *req = g;
   else t3d__request_release(g);
@@ -456,7 +497,7 @@ t3d_result_t t3d__sendrecv(t3d_exec_t *ex, uint32_t step, int dst, const void *s
 
 /* ---------- the progress thread ---------- */
 
-static void fail_comm(t3d_comm_t *comm, t3d_result_t res, const char *msg) {
+void t3d__fail_comm(t3d_comm_t *comm, t3d_result_t res, const char *msg) {
   int expected = 0;
   if (atomic_compare_exchange_strong(&comm->fatal, &expected, (int)res)) {
     snprintf(comm->fatal_msg, sizeof comm->fatal_msg, "%s", msg);
@@ -531,7 +572,7 @@ static void poll_p2p(t3d_comm_t *comm) {
   }
 }
 
-static const char *op_name(t3d_op_kind_t k) {
+const char *t3d__op_name(t3d_op_kind_t k) {
   static const char *names[] = {"allreduce", "broadcast",     "reduce",   "allgather", "gather", "scatter",
                                 "reduce_scatter", "alltoall", "barrier", "send",      "recv",   "group"};
   return names[k];
@@ -542,7 +583,7 @@ static void init_exec(t3d_comm_t *comm, t3d_request_t *r, t3d_exec_t *ex) {
   ex->comm = comm;
   ex->rank = comm->rank;
   ex->size = comm->size;
-  ex->opname = op_name(r->kind);
+  ex->opname = t3d__op_name(r->kind);
   ex->seq = r->seq;
   ex->timeout_ms = r->timeout_ms;
   ex->deadline_ns = r->resume ? r->deadline_ns : t3d__now_ns() + (uint64_t)r->timeout_ms * 1000000ull;
@@ -560,7 +601,7 @@ static void end_collective(t3d_comm_t *comm, t3d_request_t *r, t3d_exec_t *ex, t
      * trusted, so it fails fast (as NCCL does) instead of mismatching messages. */
     if (res == T3D_ERR_TIMEOUT || res == T3D_ERR_PEER_LOST || res == T3D_ERR_ABORTED || res == T3D_ERR_MISMATCH ||
         res == T3D_ERR_TRANSPORT) {
-      fail_comm(comm, res, ex->error);
+      t3d__fail_comm(comm, res, ex->error);
     } else {
       t3d__set_error(comm, res, "%s", ex->error);
     }
@@ -574,7 +615,7 @@ static void run_collective(t3d_comm_t *comm, t3d_request_t *r, int release) {
   if (fatal != 0) {
     char msg[700];
     snprintf(msg, sizeof msg, "t3d: %s #%llu on group '%s' (rank %d) not run: the communicator is broken by an "
-             "earlier error: %s", op_name(r->kind), (unsigned long long)r->seq, comm->name, comm->rank,
+             "earlier error: %s", t3d__op_name(r->kind), (unsigned long long)r->seq, comm->name, comm->rank,
              comm->fatal_msg);
     if (release) release_engine(comm);
     complete(r, (t3d_result_t)fatal, msg);
@@ -812,8 +853,16 @@ t3d_result_t t3d_comm_init(t3d_comm_t **out, int rank, int size, const t3d_store
     res = setup_shm(comm, want);
     if (res != T3D_OK) comm->tp->fini(comm->tp_state);
   }
+  if (res == T3D_OK) {
+    res = t3d__nccl_new(&comm->nccl);
+    if (res != T3D_OK) {
+      t3d__shm_fini(comm->shm);
+      comm->tp->fini(comm->tp_state);
+    }
+  }
   if (res == T3D_OK && pthread_create(&comm->thread, NULL, progress_main, comm) != 0) {
     res = t3d__set_error(comm, T3D_ERR_SYSTEM, "t3d_comm_init: cannot start the progress thread on rank %d", rank);
+    t3d__nccl_free(comm->nccl);
     t3d__shm_fini(comm->shm);
     comm->tp->fini(comm->tp_state);
   }
@@ -839,6 +888,7 @@ t3d_result_t t3d_comm_destroy(t3d_comm_t *comm) {
     pthread_mutex_unlock(&comm->mu);
     pthread_join(comm->thread, NULL);
   }
+  t3d__nccl_free(comm->nccl);
   t3d__shm_fini(comm->shm);
   comm->tp->fini(comm->tp_state);
   comm_free(comm);
@@ -853,6 +903,7 @@ t3d_result_t t3d_comm_abort(t3d_comm_t *comm) {
              comm->rank);
   }
   atomic_store(&comm->aborted, 1);
+  t3d__nccl_abort(comm->nccl);
   pthread_mutex_lock(&comm->mu);
   pthread_cond_signal(&comm->cv);
   pthread_mutex_unlock(&comm->mu);
@@ -862,7 +913,9 @@ t3d_result_t t3d_comm_abort(t3d_comm_t *comm) {
 int t3d_comm_rank(const t3d_comm_t *comm) { return comm ? comm->rank : -1; }
 int t3d_comm_size(const t3d_comm_t *comm) { return comm ? comm->size : -1; }
 t3d_result_t t3d_comm_status(t3d_comm_t *comm) {
-  return comm ? (t3d_result_t)atomic_load(&comm->fatal) : T3D_ERR_INVALID_ARG;
+  if (comm == NULL) return T3D_ERR_INVALID_ARG;
+  t3d__nccl_poll_errors(comm);
+  return (t3d_result_t)atomic_load(&comm->fatal);
 }
 const char *t3d_comm_transport(const t3d_comm_t *comm) {
   if (comm == NULL || comm->tp == NULL) return "";

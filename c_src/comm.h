@@ -46,6 +46,9 @@ struct t3d_request {
   t3d_redop_t op;
   double scalar;
   unsigned flags;
+  t3d_memtype_t memtype; /* T3D_MEM_CUDA: run through NCCL on stream (c_src/nccl/) */
+  int device;
+  void *stream;
   int root; /* also the peer of send/recv */
   int64_t tag;
   size_t *arrays; /* copied counts/displacements, one allocation */
@@ -64,6 +67,8 @@ struct t3d_request {
   struct t3d_request *next;
 };
 
+typedef struct t3d_nccl t3d_nccl_t;
+
 struct t3d_comm {
   int rank, size;
   char name[64];
@@ -73,6 +78,7 @@ struct t3d_comm {
   const t3d_transport_t *tp;
   void *tp_state;
   t3d_shm_t *shm; /* same-host collectives, or NULL */
+  t3d_nccl_t *nccl; /* CUDA buffers (c_src/nccl/) */
   char transport[16]; /* what was asked for: auto, ucx or shm (splits inherit it) */
 
   pthread_t thread;
@@ -107,6 +113,13 @@ t3d_result_t t3d__set_error(t3d_comm_t *comm, t3d_result_t res, const char *fmt,
 /* Store helpers with the communicator's key prefix. */
 t3d_result_t t3d__store_set(t3d_comm_t *comm, const char *key, const void *value, size_t len);
 t3d_result_t t3d__store_get(t3d_comm_t *comm, const char *key, void **value, size_t *len);
+
+/* Completes a request (its callback, its group) and drops the engine's reference. */
+void t3d__request_complete(t3d_request_t *req, t3d_result_t res, const char *msg);
+/* Breaks the communicator: later operations fail at once with res and msg. */
+void t3d__fail_comm(t3d_comm_t *comm, t3d_result_t res, const char *msg);
+/* "allreduce", "send", ... */
+const char *t3d__op_name(t3d_op_kind_t kind);
 
 /* Engine (comm.c), used by the front end (coll.c). */
 t3d_result_t t3d__request_new(t3d_comm_t *comm, t3d_op_kind_t kind, const t3d_opts_t *opts, t3d_request_t **req);

@@ -1,7 +1,12 @@
 // ProcessGroupT3D: argument checks and the mapping of each c10d collective onto t3d's non-blocking C calls.
 #include "process_group_t3d.hpp"
 
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
+
+#include "device_stream.hpp"
 
 #include <algorithm>
 #include <numeric>
@@ -87,10 +92,11 @@ int64_t ProcessGroupT3D::timeoutMs(std::chrono::milliseconds t) const {
   return t.count() > 0 ? t.count() : timeout_.count();
 }
 
-t3d_opts_t ProcessGroupT3D::cOpts(std::chrono::milliseconds t, double premul) const {
+t3d_opts_t ProcessGroupT3D::cOpts(std::chrono::milliseconds t, double premul, unsigned flags) const {
   t3d_opts_t o{};
   o.timeout_ms = timeoutMs(t);
   o.premul_scalar = premul;
+  o.flags = flags;
   return o;
 }
 
@@ -117,43 +123,124 @@ ProcessGroupT3D::Rop ProcessGroupT3D::rop(const OpCtx& c, const c10d::ReduceOp& 
   return r;
 }
 
+t3d_request_t* ProcessGroupT3D::issuePlan(const OpCtx& c, Plan& p, const t3d_opts_t& o) {
+  t3d_comm_t* cm = comm();
+  t3d_request_t* req = nullptr;
+  if (p.issue.size() == 1) {
+    check(c, p.issue[0](o, &req), c.op);
+    return req;
+  }
+  // Several C operations: one t3d group, one request for all of them.
+  check(c, t3d_group_start(cm), "t3d_group_start");
+  for (auto& issue : p.issue) {
+    t3d_request_t* one = nullptr;
+    t3d_result_t r = issue(o, &one);
+    if (r != T3D_OK && r != T3D_IN_PROGRESS) {
+      std::string detail = t3d_comm_last_error(cm);
+      t3d_request_t* g = nullptr;
+      t3d_group_end(cm, &g);
+      if (g != nullptr) t3d_request_free(g);
+      C10_THROW_ERROR(DistBackendError, c10::str("t3d: ", c.op, " on rank ", rank_, " of group '", groupName_,
+                                                 "' failed: ", t3d_result_string(r), ": ", detail));
+    }
+    t3d_request_free(one);
+  }
+  check(c, t3d_group_end(cm, &req), "t3d_group_end");
+  return req;
+}
+
 c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::run(c10d::OpType type, const OpCtx& c, Plan&& p,
                                                     std::chrono::milliseconds timeout) {
-  t3d_comm_t* cm = comm();
+  t3d_opts_t o = cOpts(timeout, p.premul, p.flags);
+  if (c.device && c.device->is_cuda()) return runDevice(type, c, std::move(p), o);
+  TORCH_CHECK(!coalescing_ || !coalescingDevice_ || coalescingDevice_->is_cpu(), "t3d: ", c.op, " on rank ", rank_,
+              ": a coalescing block takes tensors of one device type; it began with ", *coalescingDevice_);
+  if (coalescing_ && !coalescingDevice_) coalescingDevice_ = at::Device(at::kCPU);
   uint64_t seq = ++seq_;
   auto work = c10::make_intrusive<WorkT3D>(comm_, rank_, type, c.op, groupName_, seq, timeoutMs(timeout),
                                            std::move(p.outputs));
-  t3d_request_t* req = nullptr;
-  if (p.issue.size() == 1) {
-    check(c, p.issue[0](&req), c.op);
-  } else {
-    // Several C operations: one t3d group, one request for all of them.
-    check(c, t3d_group_start(cm), "t3d_group_start");
-    for (auto& issue : p.issue) {
-      t3d_request_t* one = nullptr;
-      t3d_result_t r = issue(&one);
-      if (r != T3D_OK && r != T3D_IN_PROGRESS) {
-        std::string detail = t3d_comm_last_error(cm);
-        t3d_request_t* g = nullptr;
-        t3d_group_end(cm, &g);
-        if (g != nullptr) t3d_request_free(g);
-        C10_THROW_ERROR(DistBackendError, c10::str("t3d: ", c.op, " on rank ", rank_, " of group '", groupName_,
-                                                   "' failed: ", t3d_result_string(r), ": ", detail));
-      }
-      t3d_request_free(one);
-    }
-    check(c, t3d_group_end(cm, &req), "t3d_group_end");
-  }
-  work->setRequest(req);
+  work->setRequest(issuePlan(c, p, o));
   for (auto& t : p.keep) work->keepAlive(t);
   if (!p.post.empty()) {
-    work->setPost([post = std::move(p.post)](WorkT3D& w) {
-      for (auto& f : post) f(w);
+    work->setPost([post = std::move(p.post)](t3d_request_t* req) {
+      for (auto& f : post) f(req);
     });
   }
   work->arm();
   if (coalescing_) coalesced_.push_back(work);
   return work;
+}
+
+ProcessGroupT3D::DeviceStreams& ProcessGroupT3D::deviceStreams(const OpCtx& c) {
+  const at::Device d = *c.device;
+  TORCH_CHECK(cudaStreamsAvailable(), "t3d: ", c.op, " on rank ", rank_, ": tensors on ", d,
+              ", but this build of t3d's shim has no CUDA support (built against a torch without CUDA)");
+  if (!streams_) {
+    c10::impl::VirtualGuardImpl impl(d.type());
+    c10::DeviceGuard guard(d);
+    streams_ = std::make_unique<DeviceStreams>(DeviceStreams{d, impl.getStreamFromGlobalPool(d, false)});
+  }
+  TORCH_CHECK(streams_->device == d, "t3d: ", c.op, " on rank ", rank_, " of group '", groupName_, "': tensors on ",
+              d, ", but this group already runs on ", streams_->device,
+              " (one CUDA device per group and process, as with NCCL)");
+  return *streams_;
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::runDevice(c10d::OpType type, const OpCtx& c, Plan&& p,
+                                                          t3d_opts_t o) {
+  TORCH_CHECK(!coalescing_ || !coalescingDevice_ || *coalescingDevice_ == *c.device, "t3d: ", c.op, " on rank ",
+              rank_, ": a coalescing block takes tensors of one device; it began with ", *coalescingDevice_,
+              ", this call has ", *c.device);
+  DeviceStreams& ds = deviceStreams(c);
+  if (coalescing_) coalescingDevice_ = ds.device;
+  c10::DeviceGuard guard(ds.device);
+  c10::impl::VirtualGuardImpl impl(ds.device.type());
+  // The group's stream starts after everything the caller has queued so far: the inputs and the staging copies.
+  c10::Event ready(ds.device.type());
+  ready.record(impl.getStream(ds.device));
+  ready.block(ds.comm);
+  o.memtype = T3D_MEM_CUDA;
+  o.device = ds.device.index();
+  o.stream = nativeCudaStream(ds.comm);
+  uint64_t seq = ++seq_;
+  std::vector<at::Tensor> tensors = p.keep;
+  tensors.insert(tensors.end(), p.outputs.begin(), p.outputs.end());
+  auto work = c10::make_intrusive<WorkT3DDevice>(comm_, rank_, type, c.op, groupName_, seq,
+                                                 timeoutMs(std::chrono::milliseconds(o.timeout_ms)), p.outputs,
+                                                 ds.device);
+  t3d_request_t* req = issuePlan(c, p, o);
+  DevicePending pending{std::move(p.post), std::move(tensors), std::move(p.outputs), work, req};
+  if (coalescing_) {
+    coalescedDevice_.push_back(std::move(pending));
+    return work;
+  }
+  finishDevice(c, pending);
+  return work;
+}
+
+void ProcessGroupT3D::finishDevice(const OpCtx& c, DevicePending& pending) {
+  DeviceStreams& ds = *streams_;
+  t3d_request_t* req = pending.req;
+  pending.req = nullptr;
+  // NCCL calls finish their requests on this thread; a group request also waits for the progress thread.
+  t3d_result_t r = req != nullptr ? t3d_wait(req, timeout_.count()) : T3D_OK;
+  if (r != T3D_OK) {
+    std::string detail = t3d_request_error(req);
+    t3d_request_free(req);
+    C10_THROW_ERROR(DistBackendError, c10::str("t3d: ", c.op, " on rank ", rank_, " of group '", groupName_, "' on ",
+                                               ds.device, " failed: ", t3d_result_string(r), ": ", detail));
+  }
+  c10::impl::VirtualGuardImpl impl(ds.device.type());
+  {
+    c10::StreamGuard onComm(ds.comm);
+    for (auto& f : pending.post) f(req);
+  }
+  // The caching allocator must not hand these blocks out again before the group's stream is done with them.
+  for (auto& t : pending.tensors) {
+    if (t.defined() && t.has_storage()) impl.recordDataPtrOnStream(t.storage().data_ptr(), ds.comm);
+  }
+  pending.work->markEnqueued(ds.comm);
+  if (req != nullptr) t3d_request_free(req);
 }
 
 // ---- coalescing -------------------------------------------------------------------------------------------------
@@ -163,7 +250,9 @@ void ProcessGroupT3D::startCoalescing() {
   TORCH_CHECK(!coalescing_, "t3d: startCoalescing on rank ", rank_, " while a coalescing block is already open");
   check(c, t3d_group_start(comm()), "t3d_group_start");
   coalescing_ = true;
+  coalescingDevice_.reset();
   coalesced_.clear();
+  coalescedDevice_.clear();
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::endCoalescing() {
@@ -172,8 +261,23 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::endCoalescing() {
   coalescing_ = false;
   std::vector<c10::intrusive_ptr<WorkT3D>> members;
   members.swap(coalesced_);
+  std::vector<DevicePending> deviceMembers;
+  deviceMembers.swap(coalescedDevice_);
   t3d_request_t* req = nullptr;
   check(c, t3d_group_end(comm(), &req), "t3d_group_end");
+  if (!deviceMembers.empty()) {
+    // NCCL has enqueued the block's operations: the members finish in order, then one event covers them all.
+    std::vector<at::Tensor> outputs;
+    DevicePending all{{}, {}, {}, nullptr, req};
+    for (auto& m : deviceMembers) {
+      finishDevice(c, m);
+      outputs.insert(outputs.end(), m.outputs.begin(), m.outputs.end());
+    }
+    all.work = c10::make_intrusive<WorkT3DDevice>(comm_, rank_, c10d::OpType::COALESCED, "coalesced", groupName_,
+                                                  ++seq_, timeout_.count(), std::move(outputs), streams_->device);
+    finishDevice(c, all);
+    return all.work;
+  }
   std::vector<at::Tensor> outputs;
   for (auto& m : members) outputs.insert(outputs.end(), m->outputs().begin(), m->outputs().end());
   auto work = c10::make_intrusive<WorkT3D>(comm_, rank_, c10d::OpType::COALESCED, "coalesced", groupName_, ++seq_,
@@ -188,7 +292,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::endCoalescing() {
 // ---- reductions -------------------------------------------------------------------------------------------------
 
 void ProcessGroupT3D::planAllreduce(const OpCtx& c, const char* arg, const at::Tensor& t, Rop r,
-                                    const t3d_opts_t& o, Plan& p) {
+                                    Plan& p) {
+  p.premul = r.premul;
   checkTensor(c, arg, t);
   CType ct = reduceType(c, arg, t);
   checkReduceSupported(c, arg, r.op, t, ct.dtype);
@@ -196,9 +301,11 @@ void ProcessGroupT3D::planAllreduce(const OpCtx& c, const char* arg, const at::T
   t3d_comm_t* cm = comm();
   void* buf = dataPtr(s.buf);
   size_t n = static_cast<size_t>(t.numel());
-  p.issue.push_back([=](t3d_request_t** req) { return t3d_allreduce(cm, buf, buf, n, ct.dtype, r.op, &o, req); });
+  p.issue.push_back([=](const t3d_opts_t& o, t3d_request_t** req) {
+    return t3d_allreduce(cm, buf, buf, n, ct.dtype, r.op, &o, req);
+  });
   p.keep.push_back(s.buf);
-  if (s.staged) p.post.push_back([s](WorkT3D&) { s.copyBack(); });
+  if (s.staged) p.post.push_back([s](t3d_request_t*) { s.copyBack(); });
   p.outputs.push_back(t);
 }
 
@@ -209,7 +316,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::allreduce(std::vector<at::Tensor
   TORCH_CHECK(!opts.sparseIndices.has_value(), "t3d: allreduce on rank ", rank_, ": sparse allreduce is not supported");
   Rop r = rop(c, opts.reduceOp);
   Plan p;
-  planAllreduce(c, "tensors[0]", tensors[0], r, cOpts(opts.timeout, r.premul), p);
+  planAllreduce(c, "tensors[0]", tensors[0], r, p);
   return run(c10d::OpType::ALLREDUCE, c, std::move(p), opts.timeout);
 }
 
@@ -217,11 +324,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::allreduce_coalesced(std::vector<
                                                                     const c10d::AllreduceCoalescedOptions& opts) {
   OpCtx c = ctx("allreduce_coalesced");
   Rop r = rop(c, opts.reduceOp);
-  t3d_opts_t o = cOpts(opts.timeout, r.premul);
   Plan p;
   for (size_t i = 0; i < tensors.size(); ++i) {
     std::string arg = c10::str("tensors[", i, "]");
-    planAllreduce(c, arg.c_str(), tensors[i], r, o, p);
+    planAllreduce(c, arg.c_str(), tensors[i], r, p);
   }
   return run(c10d::OpType::ALLREDUCE_COALESCED, c, std::move(p), opts.timeout);
 }
@@ -237,21 +343,24 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::reduce(std::vector<at::Tensor>& 
   CType ct = reduceType(c, "tensors[0]", t);
   checkReduceSupported(c, "tensors[0]", r.op, t, ct.dtype);
   Staged s = stage(t, true);
-  t3d_opts_t o = cOpts(opts.timeout, r.premul);
   t3d_comm_t* cm = comm();
   void* buf = dataPtr(s.buf);
   size_t n = static_cast<size_t>(t.numel());
   int root = static_cast<int>(opts.rootRank);
   Plan p;
-  p.issue.push_back([=](t3d_request_t** req) { return t3d_reduce(cm, buf, buf, n, ct.dtype, r.op, root, &o, req); });
+  p.premul = r.premul;
+  p.issue.push_back([=](const t3d_opts_t& o, t3d_request_t** req) {
+    return t3d_reduce(cm, buf, buf, n, ct.dtype, r.op, root, &o, req);
+  });
   p.keep.push_back(s.buf);
-  if (s.staged && rank_ == root) p.post.push_back([s](WorkT3D&) { s.copyBack(); });
+  if (s.staged && rank_ == root) p.post.push_back([s](t3d_request_t*) { s.copyBack(); });
   p.outputs.push_back(t);
   return run(c10d::OpType::REDUCE, c, std::move(p), opts.timeout);
 }
 
 void ProcessGroupT3D::planReduceScatterList(const OpCtx& c, const at::Tensor& out, const std::vector<at::Tensor>& ins,
-                                            Rop r, const t3d_opts_t& o, Plan& p) {
+                                            Rop r, Plan& p) {
+  p.premul = r.premul;
   checkTensor(c, "outputTensors[0]", out);
   checkListSize(c, "inputTensors[0]", ins.size(), static_cast<size_t>(size_));
   CType ct = reduceType(c, "outputTensors[0]", out);
@@ -281,15 +390,17 @@ void ProcessGroupT3D::planReduceScatterList(const OpCtx& c, const at::Tensor& ou
   if (even) {
     size_t n = counts[0];
     p.issue.push_back(
-        [=](t3d_request_t** req) { return t3d_reduce_scatter(cm, sb, rb, n, ct.dtype, r.op, &o, req); });
+        [=](const t3d_opts_t& o, t3d_request_t** req) {
+          return t3d_reduce_scatter(cm, sb, rb, n, ct.dtype, r.op, &o, req);
+        });
   } else {
-    p.issue.push_back([=](t3d_request_t** req) {
+    p.issue.push_back([=](const t3d_opts_t& o, t3d_request_t** req) {
       return t3d_reduce_scatterv(cm, sb, rb, counts.data(), ct.dtype, r.op, &o, req);
     });
   }
   p.keep.push_back(flat);
   p.keep.push_back(s.buf);
-  if (s.staged) p.post.push_back([s](WorkT3D&) { s.copyBack(); });
+  if (s.staged) p.post.push_back([s](t3d_request_t*) { s.copyBack(); });
   p.outputs.push_back(out);
 }
 
@@ -301,13 +412,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::reduce_scatter(std::vector<at::T
   checkListSize(c, "inputTensors", inputTensors.size(), 1);
   Rop r = rop(c, opts.reduceOp);
   Plan p;
-  planReduceScatterList(c, outputTensors[0], inputTensors[0], r, cOpts(opts.timeout, r.premul), p);
+  planReduceScatterList(c, outputTensors[0], inputTensors[0], r, p);
   return run(c10d::OpType::REDUCE_SCATTER, c, std::move(p), opts.timeout);
 }
 
 void ProcessGroupT3D::planReduceScatterBase(const OpCtx& c, const char* outArg, const at::Tensor& out,
-                                            const char* inArg, const at::Tensor& in, Rop r, const t3d_opts_t& o,
-                                            Plan& p) {
+                                            const char* inArg, const at::Tensor& in, Rop r, Plan& p) {
+  p.premul = r.premul;
   checkTensor(c, outArg, out);
   checkTensor(c, inArg, in);
   checkSameDtype(c, inArg, in, out, outArg);
@@ -322,10 +433,12 @@ void ProcessGroupT3D::planReduceScatterBase(const OpCtx& c, const char* outArg, 
   const void* sb = dataPtr(si.buf);
   void* rb = dataPtr(so.buf);
   size_t n = static_cast<size_t>(out.numel());
-  p.issue.push_back([=](t3d_request_t** req) { return t3d_reduce_scatter(cm, sb, rb, n, ct.dtype, r.op, &o, req); });
+  p.issue.push_back([=](const t3d_opts_t& o, t3d_request_t** req) {
+    return t3d_reduce_scatter(cm, sb, rb, n, ct.dtype, r.op, &o, req);
+  });
   p.keep.push_back(si.buf);
   p.keep.push_back(so.buf);
-  if (so.staged) p.post.push_back([so](WorkT3D&) { so.copyBack(); });
+  if (so.staged) p.post.push_back([so](t3d_request_t*) { so.copyBack(); });
   p.outputs.push_back(out);
 }
 
@@ -334,8 +447,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::_reduce_scatter_base(at::Tensor&
   OpCtx c = ctx("_reduce_scatter_base");
   Rop r = rop(c, opts.reduceOp);
   Plan p;
-  planReduceScatterBase(c, "outputBuffer", outputBuffer, "inputBuffer", inputBuffer, r,
-                        cOpts(opts.timeout, r.premul), p);
+  planReduceScatterBase(c, "outputBuffer", outputBuffer, "inputBuffer", inputBuffer, r, p);
   return run(c10d::OpType::_REDUCE_SCATTER_BASE, c, std::move(p), opts.timeout);
 }
 
@@ -344,11 +456,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::reduce_scatter_tensor_coalesced(
   OpCtx c = ctx("reduce_scatter_tensor_coalesced");
   checkListSize(c, "inputs", inputs.size(), outputs.size());
   Rop r = rop(c, opts.reduceOp);
-  t3d_opts_t o = cOpts(opts.timeout, r.premul);
   Plan p;
   for (size_t i = 0; i < outputs.size(); ++i) {
     std::string oa = c10::str("outputs[", i, "]"), ia = c10::str("inputs[", i, "]");
-    planReduceScatterBase(c, oa.c_str(), outputs[i], ia.c_str(), inputs[i], r, o, p);
+    planReduceScatterBase(c, oa.c_str(), outputs[i], ia.c_str(), inputs[i], r, p);
   }
   return run(c10d::OpType::COALESCED, c, std::move(p), opts.timeout);
 }
@@ -364,21 +475,22 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::broadcast(std::vector<at::Tensor
   checkTensor(c, "tensors[0]", t);
   CType ct = moveType(c, "tensors[0]", t);
   Staged s = stage(t, true);
-  t3d_opts_t o = cOpts(opts.timeout);
   t3d_comm_t* cm = comm();
   void* buf = dataPtr(s.buf);
   size_t n = static_cast<size_t>(t.numel()) * ct.scale;
   int root = static_cast<int>(opts.rootRank);
   Plan p;
-  p.issue.push_back([=](t3d_request_t** req) { return t3d_broadcast(cm, buf, n, ct.dtype, root, &o, req); });
+  p.issue.push_back([=](const t3d_opts_t& o, t3d_request_t** req) {
+    return t3d_broadcast(cm, buf, n, ct.dtype, root, &o, req);
+  });
   p.keep.push_back(s.buf);
-  if (s.staged && rank_ != root) p.post.push_back([s](WorkT3D&) { s.copyBack(); });
+  if (s.staged && rank_ != root) p.post.push_back([s](t3d_request_t*) { s.copyBack(); });
   p.outputs.push_back(t);
   return run(c10d::OpType::BROADCAST, c, std::move(p), opts.timeout);
 }
 
 void ProcessGroupT3D::planAllgatherList(const OpCtx& c, const char* outArg, const std::vector<at::Tensor>& outs,
-                                        const char* inArg, const at::Tensor& in, const t3d_opts_t& o, Plan& p) {
+                                        const char* inArg, const at::Tensor& in, Plan& p) {
   checkTensor(c, inArg, in);
   checkListSize(c, outArg, outs.size(), static_cast<size_t>(size_));
   CType ct = moveType(c, inArg, in);
@@ -403,7 +515,9 @@ void ProcessGroupT3D::planAllgatherList(const OpCtx& c, const char* outArg, cons
   size_t sc = ct.scale;
   if (even) {
     size_t n = counts[0] * sc;
-    p.issue.push_back([=](t3d_request_t** req) { return t3d_allgather(cm, sb, rb, n, ct.dtype, &o, req); });
+    p.issue.push_back([=](const t3d_opts_t& o, t3d_request_t** req) {
+      return t3d_allgather(cm, sb, rb, n, ct.dtype, &o, req);
+    });
   } else {
     std::vector<size_t> rc(size_), rd(size_);
     for (int i = 0; i < size_; ++i) {
@@ -411,13 +525,13 @@ void ProcessGroupT3D::planAllgatherList(const OpCtx& c, const char* outArg, cons
       rd[i] = displs[i] * sc;
     }
     size_t n = counts[rank_] * sc;
-    p.issue.push_back([=](t3d_request_t** req) {
+    p.issue.push_back([=](const t3d_opts_t& o, t3d_request_t** req) {
       return t3d_allgatherv(cm, sb, n, rb, rc.data(), rd.data(), ct.dtype, &o, req);
     });
   }
   p.keep.push_back(src);
   p.keep.push_back(flat);
-  p.post.push_back([flat, outs, counts, displs](WorkT3D&) {
+  p.post.push_back([flat, outs, counts, displs](t3d_request_t*) {
     for (size_t i = 0; i < outs.size(); ++i) {
       if (counts[i] > 0) outs[i].copy_(flat.narrow(0, displs[i], counts[i]).view(outs[i].sizes()));
     }
@@ -432,8 +546,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::allgather(std::vector<std::vecto
   checkListSize(c, "inputTensors", inputTensors.size(), 1);
   checkListSize(c, "outputTensors", outputTensors.size(), 1);
   Plan p;
-  planAllgatherList(c, "outputTensors[0]", outputTensors[0], "inputTensors[0]", inputTensors[0], cOpts(opts.timeout),
-                    p);
+  planAllgatherList(c, "outputTensors[0]", outputTensors[0], "inputTensors[0]", inputTensors[0], p);
   return run(c10d::OpType::ALLGATHER, c, std::move(p), opts.timeout);
 }
 
@@ -442,17 +555,16 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::allgather_coalesced(
     const c10d::AllgatherOptions& opts) {
   OpCtx c = ctx("allgather_coalesced");
   checkListSize(c, "outputTensorLists", outputTensorLists.size(), inputTensors.size());
-  t3d_opts_t o = cOpts(opts.timeout);
   Plan p;
   for (size_t i = 0; i < inputTensors.size(); ++i) {
     std::string oa = c10::str("outputTensorLists[", i, "]"), ia = c10::str("inputTensors[", i, "]");
-    planAllgatherList(c, oa.c_str(), outputTensorLists[i], ia.c_str(), inputTensors[i], o, p);
+    planAllgatherList(c, oa.c_str(), outputTensorLists[i], ia.c_str(), inputTensors[i], p);
   }
   return run(c10d::OpType::ALLGATHER_COALESCED, c, std::move(p), opts.timeout);
 }
 
 void ProcessGroupT3D::planAllgatherBase(const OpCtx& c, const char* outArg, const at::Tensor& out, const char* inArg,
-                                        const at::Tensor& in, const t3d_opts_t& o, Plan& p) {
+                                        const at::Tensor& in, Plan& p) {
   checkTensor(c, outArg, out);
   checkTensor(c, inArg, in);
   checkSameDtype(c, outArg, out, in, inArg);
@@ -466,10 +578,12 @@ void ProcessGroupT3D::planAllgatherBase(const OpCtx& c, const char* outArg, cons
   const void* sb = dataPtr(si.buf);
   void* rb = dataPtr(so.buf);
   size_t n = static_cast<size_t>(in.numel()) * ct.scale;
-  p.issue.push_back([=](t3d_request_t** req) { return t3d_allgather(cm, sb, rb, n, ct.dtype, &o, req); });
+  p.issue.push_back([=](const t3d_opts_t& o, t3d_request_t** req) {
+    return t3d_allgather(cm, sb, rb, n, ct.dtype, &o, req);
+  });
   p.keep.push_back(si.buf);
   p.keep.push_back(so.buf);
-  if (so.staged) p.post.push_back([so](WorkT3D&) { so.copyBack(); });
+  if (so.staged) p.post.push_back([so](t3d_request_t*) { so.copyBack(); });
   p.outputs.push_back(out);
 }
 
@@ -477,7 +591,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::_allgather_base(at::Tensor& outp
                                                                 const c10d::AllgatherOptions& opts) {
   OpCtx c = ctx("_allgather_base");
   Plan p;
-  planAllgatherBase(c, "outputBuffer", outputBuffer, "inputBuffer", inputBuffer, cOpts(opts.timeout), p);
+  planAllgatherBase(c, "outputBuffer", outputBuffer, "inputBuffer", inputBuffer, p);
   return run(c10d::OpType::_ALLGATHER_BASE, c, std::move(p), opts.timeout);
 }
 
@@ -486,11 +600,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::allgather_into_tensor_coalesced(
                                                                                 const c10d::AllgatherOptions& opts) {
   OpCtx c = ctx("allgather_into_tensor_coalesced");
   checkListSize(c, "inputs", inputs.size(), outputs.size());
-  t3d_opts_t o = cOpts(opts.timeout);
   Plan p;
   for (size_t i = 0; i < outputs.size(); ++i) {
     std::string oa = c10::str("outputs[", i, "]"), ia = c10::str("inputs[", i, "]");
-    planAllgatherBase(c, oa.c_str(), outputs[i], ia.c_str(), inputs[i], o, p);
+    planAllgatherBase(c, oa.c_str(), outputs[i], ia.c_str(), inputs[i], p);
   }
   return run(c10d::OpType::COALESCED, c, std::move(p), opts.timeout);
 }
@@ -530,13 +643,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::gather(std::vector<std::vector<a
   const void* sb = dataPtr(src);
   void* rb = flat.defined() ? dataPtr(flat) : nullptr;
   size_t n = static_cast<size_t>(in.numel()) * ct.scale;
-  t3d_opts_t o = cOpts(opts.timeout);
-  p.issue.push_back([=](t3d_request_t** req) { return t3d_gather(cm, sb, rb, n, ct.dtype, root, &o, req); });
+  p.issue.push_back([=](const t3d_opts_t& o, t3d_request_t** req) {
+    return t3d_gather(cm, sb, rb, n, ct.dtype, root, &o, req);
+  });
   p.keep.push_back(src);
   if (flat.defined()) {
     p.keep.push_back(flat);
     int64_t m = in.numel();
-    p.post.push_back([flat, outs, m](WorkT3D&) {
+    p.post.push_back([flat, outs, m](t3d_request_t*) {
       for (size_t i = 0; i < outs.size(); ++i) {
         if (m > 0) outs[i].copy_(flat.narrow(0, static_cast<int64_t>(i) * m, m).view(outs[i].sizes()));
       }
@@ -582,12 +696,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::scatter(std::vector<at::Tensor>&
   const void* sb = flat.defined() ? dataPtr(flat) : nullptr;
   void* rb = dataPtr(so.buf);
   size_t n = static_cast<size_t>(out.numel()) * ct.scale;
-  t3d_opts_t o = cOpts(opts.timeout);
   Plan p;
-  p.issue.push_back([=](t3d_request_t** req) { return t3d_scatter(cm, sb, rb, n, ct.dtype, root, &o, req); });
+  p.issue.push_back([=](const t3d_opts_t& o, t3d_request_t** req) {
+    return t3d_scatter(cm, sb, rb, n, ct.dtype, root, &o, req);
+  });
   if (flat.defined()) p.keep.push_back(flat);
   p.keep.push_back(so.buf);
-  if (so.staged) p.post.push_back([so](WorkT3D&) { so.copyBack(); });
+  if (so.staged) p.post.push_back([so](t3d_request_t*) { so.copyBack(); });
   p.outputs.push_back(out);
   return run(c10d::OpType::SCATTER, c, std::move(p), opts.timeout);
 }
@@ -608,7 +723,6 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::alltoall_base(at::Tensor& output
   t3d_comm_t* cm = comm();
   const void* sb = dataPtr(si.buf);
   void* rb = dataPtr(so.buf);
-  t3d_opts_t o = cOpts(opts.timeout);
   Plan p;
   if (outputSplitSizes.empty() && inputSplitSizes.empty()) {
     TORCH_CHECK(in.numel() % size_ == 0, "t3d: alltoall_base on rank ", rank_, ": argument 'inputBuffer' has ",
@@ -616,7 +730,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::alltoall_base(at::Tensor& output
     TORCH_CHECK(out.numel() == in.numel(), "t3d: alltoall_base on rank ", rank_, ": argument 'outputBuffer' has ",
                 out.numel(), " elements but 'inputBuffer' has ", in.numel(), " (no split sizes given)");
     size_t n = static_cast<size_t>(in.numel() / size_) * ct.scale;
-    p.issue.push_back([=](t3d_request_t** req) { return t3d_alltoall(cm, sb, rb, n, ct.dtype, &o, req); });
+    p.issue.push_back([=](const t3d_opts_t& o, t3d_request_t** req) {
+      return t3d_alltoall(cm, sb, rb, n, ct.dtype, &o, req);
+    });
   } else {
     TORCH_CHECK(in.dim() > 0 && out.dim() > 0, "t3d: alltoall_base on rank ", rank_,
                 ": split sizes need tensors with at least one dimension");
@@ -648,13 +764,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::alltoall_base(at::Tensor& output
     std::vector<size_t> sc = splits("inputSplitSizes", inputSplitSizes, in);
     std::vector<size_t> rc = splits("outputSplitSizes", outputSplitSizes, out);
     std::vector<size_t> sd = prefixSums(sc), rd = prefixSums(rc);
-    p.issue.push_back([=](t3d_request_t** req) {
+    p.issue.push_back([=](const t3d_opts_t& o, t3d_request_t** req) {
       return t3d_alltoallv(cm, sb, sc.data(), sd.data(), rb, rc.data(), rd.data(), ct.dtype, &o, req);
     });
   }
   p.keep.push_back(si.buf);
   p.keep.push_back(so.buf);
-  if (so.staged) p.post.push_back([so](WorkT3D&) { so.copyBack(); });
+  if (so.staged) p.post.push_back([so](t3d_request_t*) { so.copyBack(); });
   p.outputs.push_back(out);
   return run(c10d::OpType::ALLTOALL_BASE, c, std::move(p), opts.timeout);
 }
@@ -695,15 +811,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::alltoall(std::vector<at::Tensor>
   t3d_comm_t* cm = comm();
   const void* sb = dataPtr(sflat);
   void* rb = dataPtr(rflat);
-  t3d_opts_t o = cOpts(opts.timeout);
   Plan p;
-  p.issue.push_back([=](t3d_request_t** req) {
+  p.issue.push_back([=](const t3d_opts_t& o, t3d_request_t** req) {
     return t3d_alltoallv(cm, sb, sc.data(), scd.data(), rb, rc.data(), rcd.data(), ct.dtype, &o, req);
   });
   p.keep.push_back(sflat);
   p.keep.push_back(rflat);
   std::vector<at::Tensor> outs = outputTensors;
-  p.post.push_back([rflat, outs, rn, rd](WorkT3D&) {
+  p.post.push_back([rflat, outs, rn, rd](t3d_request_t*) {
     for (size_t i = 0; i < outs.size(); ++i) {
       if (rn[i] > 0) outs[i].copy_(rflat.narrow(0, rd[i], rn[i]).view(outs[i].sizes()));
     }
@@ -727,9 +842,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::send(std::vector<at::Tensor>& te
   t3d_comm_t* cm = comm();
   const void* sb = dataPtr(src);
   size_t n = static_cast<size_t>(t.numel()) * ct.scale;
-  t3d_opts_t o = cOpts(c10d::kUnsetTimeout);
   Plan p;
-  p.issue.push_back([=](t3d_request_t** req) { return t3d_send(cm, sb, n, ct.dtype, dstRank, tag, &o, req); });
+  p.issue.push_back([=](const t3d_opts_t& o, t3d_request_t** req) {
+    return t3d_send(cm, sb, n, ct.dtype, dstRank, tag, &o, req);
+  });
   p.keep.push_back(src);
   return run(c10d::OpType::SEND, c, std::move(p), c10d::kUnsetTimeout);
 }
@@ -748,21 +864,22 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::recv(std::vector<at::Tensor>& te
   t3d_comm_t* cm = comm();
   void* rb = dataPtr(s.buf);
   size_t n = static_cast<size_t>(t.numel()) * ct.scale;
-  t3d_opts_t o = cOpts(c10d::kUnsetTimeout);
   // torch.distributed.pipelining's stage set-up sends an int64 scalar into a one-element float32 tensor (torch
   // 2.9.1, stage.py _get_init_p2p_neighbors_ops); gloo aborts on it. A longer message therefore fills the tensor and
   // warns once, where MPI would fail; a shorter one is still an error.
-  o.flags |= T3D_FLAG_RECV_TRUNCATE;
   int rank = rank_;
   Plan p;
-  p.issue.push_back([=](t3d_request_t** req) { return t3d_recv(cm, rb, n, ct.dtype, srcRank, tag, &o, req); });
+  p.flags |= T3D_FLAG_RECV_TRUNCATE;
+  p.issue.push_back([=](const t3d_opts_t& o, t3d_request_t** req) {
+    return t3d_recv(cm, rb, n, ct.dtype, srcRank, tag, &o, req);
+  });
   p.keep.push_back(s.buf);
-  p.post.push_back([s, n, rank](WorkT3D& w) {
-    size_t got = t3d_request_count(w.request());
+  p.post.push_back([s, n, rank](t3d_request_t* req) {
+    size_t got = t3d_request_count(req);
     TORCH_CHECK(got >= n, "t3d: recv on rank ", rank, ": got ", got, " elements from rank ",
-                t3d_request_source(w.request()), " but 'tensors[0]' ", shapeStr(s.user), " expects ", n);
+                t3d_request_source(req), " but 'tensors[0]' ", shapeStr(s.user), " expects ", n);
     if (got > n) {
-      TORCH_WARN_ONCE("t3d: recv on rank ", rank, ": rank ", t3d_request_source(w.request()), " sent ", got,
+      TORCH_WARN_ONCE("t3d: recv on rank ", rank, ": rank ", t3d_request_source(req), " sent ", got,
                       " elements of this dtype's size into 'tensors[0]' ", shapeStr(s.user),
                       "; the first ", n, " were kept (warned once per process)");
     }
@@ -780,9 +897,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::recvAnysource(std::vector<at::Te
 c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::barrier(const c10d::BarrierOptions& opts) {
   OpCtx c = ctx("barrier");
   t3d_comm_t* cm = comm();
-  t3d_opts_t o = cOpts(opts.timeout);
   Plan p;
-  p.issue.push_back([=](t3d_request_t** req) { return t3d_barrier(cm, &o, req); });
+  p.issue.push_back([=](const t3d_opts_t& o, t3d_request_t** req) { return t3d_barrier(cm, &o, req); });
   return run(c10d::OpType::BARRIER, c, std::move(p), opts.timeout);
 }
 

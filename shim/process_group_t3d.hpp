@@ -106,18 +106,36 @@ class ProcessGroupT3D : public c10d::Backend {
   }
 
  private:
-  using Issuer = std::function<t3d_result_t(t3d_request_t**)>;
+  // One C call, given the call's options (run() adds the device and stream of CUDA tensors to them).
+  using Issuer = std::function<t3d_result_t(const t3d_opts_t&, t3d_request_t**)>;
   // What one c10d call turns into: C operations to issue (several run as one t3d group), tensors to keep alive,
-  // steps to run after success, and the tensors the future carries.
+  // steps to run after the C operations (copy-back: on completion for host tensors, on the group's stream right
+  // after enqueueing for CUDA tensors), and the tensors the future carries.
   struct Plan {
     std::vector<Issuer> issue;
     std::vector<at::Tensor> keep;
-    std::vector<std::function<void(WorkT3D&)>> post;
+    std::vector<std::function<void(t3d_request_t*)>> post;
     std::vector<at::Tensor> outputs;
+    double premul = 1.0;  // PREMUL_SUM's factor
+    unsigned flags = 0;   // T3D_FLAG_*
   };
   struct Rop {
     t3d_redop_t op;
     double premul;
+  };
+  // The stream this group runs CUDA operations on (one per group, made at the first CUDA call, like NCCL's).
+  struct DeviceStreams {
+    c10::Device device;
+    c10::Stream comm;
+  };
+  // A CUDA operation enqueued by NCCL (or, inside a coalescing block, to be enqueued at its end), with what must
+  // follow on the group's stream: copy-back steps, the allocator's stream bookkeeping, the completion event.
+  struct DevicePending {
+    std::vector<std::function<void(t3d_request_t*)>> post;
+    std::vector<at::Tensor> tensors;
+    std::vector<at::Tensor> outputs;
+    c10::intrusive_ptr<WorkT3DDevice> work;
+    t3d_request_t* req;  // owned; null for a request that is someone else's
   };
 
   OpCtx ctx(const char* op) const {
@@ -125,7 +143,8 @@ class ProcessGroupT3D : public c10d::Backend {
   }
   t3d_comm_t* comm() const;
   int64_t timeoutMs(std::chrono::milliseconds t) const;
-  t3d_opts_t cOpts(std::chrono::milliseconds t, double premul = 1.0) const;
+  t3d_opts_t cOpts(std::chrono::milliseconds t, double premul = 1.0, unsigned flags = 0) const;
+  DeviceStreams& deviceStreams(const OpCtx& c);
   [[noreturn]] void fail(const OpCtx& c, t3d_result_t r, const char* what) const;
   void check(const OpCtx& c, t3d_result_t r, const char* what) const {
     if (r != T3D_OK && r != T3D_IN_PROGRESS) fail(c, r, what);
@@ -135,17 +154,22 @@ class ProcessGroupT3D : public c10d::Backend {
   Rop rop(const OpCtx& c, const c10d::ReduceOp& op) const;
 
   // Validation and staging for one operation; they append to a Plan and issue nothing.
-  void planAllreduce(const OpCtx& c, const char* arg, const at::Tensor& t, Rop r, const t3d_opts_t& o, Plan& p);
+  void planAllreduce(const OpCtx& c, const char* arg, const at::Tensor& t, Rop r, Plan& p);
   void planAllgatherList(const OpCtx& c, const char* outArg, const std::vector<at::Tensor>& outs, const char* inArg,
-                         const at::Tensor& in, const t3d_opts_t& o, Plan& p);
+                         const at::Tensor& in, Plan& p);
   void planAllgatherBase(const OpCtx& c, const char* outArg, const at::Tensor& out, const char* inArg,
-                         const at::Tensor& in, const t3d_opts_t& o, Plan& p);
+                         const at::Tensor& in, Plan& p);
   void planReduceScatterList(const OpCtx& c, const at::Tensor& out, const std::vector<at::Tensor>& ins, Rop r,
-                             const t3d_opts_t& o, Plan& p);
+                             Plan& p);
   void planReduceScatterBase(const OpCtx& c, const char* outArg, const at::Tensor& out, const char* inArg,
-                             const at::Tensor& in, Rop r, const t3d_opts_t& o, Plan& p);
-  // Issues the plan and wraps it in an armed work.
+                             const at::Tensor& in, Rop r, Plan& p);
+  // Issues the plan and wraps it in a work: on host tensors an armed WorkT3D, on CUDA tensors a WorkT3DDevice.
   c10::intrusive_ptr<c10d::Work> run(c10d::OpType type, const OpCtx& c, Plan&& p, std::chrono::milliseconds timeout);
+  // Issues a plan's C operations (several as one t3d group) and returns the request of them all.
+  t3d_request_t* issuePlan(const OpCtx& c, Plan& p, const t3d_opts_t& o);
+  c10::intrusive_ptr<c10d::Work> runDevice(c10d::OpType type, const OpCtx& c, Plan&& p, t3d_opts_t o);
+  // Waits for the request of NCCL's enqueueing (throwing its error), then runs what follows on the group's stream.
+  void finishDevice(const OpCtx& c, DevicePending& pending);
 
   std::shared_ptr<StoreAdapter> store_;
   std::shared_ptr<CommHandle> comm_;
@@ -163,6 +187,10 @@ class ProcessGroupT3D : public c10d::Backend {
   std::unique_ptr<SplitMemo> lastSplit_;
   bool coalescing_ = false;
   std::vector<c10::intrusive_ptr<WorkT3D>> coalesced_;
+  // CUDA operations of the open coalescing block: NCCL enqueues them at endCoalescing.
+  std::vector<DevicePending> coalescedDevice_;
+  c10::optional<c10::Device> coalescingDevice_;  // the device type of the first operation in the block
+  std::unique_ptr<DeviceStreams> streams_;
 };
 
 }  // namespace t3d_shim

@@ -104,14 +104,16 @@ void checkReduceSupported(const OpCtx& c, const char* arg, t3d_redop_t op, const
 
 void checkTensor(const OpCtx& c, const char* arg, const at::Tensor& t) {
   TORCH_CHECK(t.defined(), "t3d: ", c.op, " on rank ", c.rank, ": argument '", arg, "' is an undefined tensor");
-  if (t.is_cuda()) {
-    TORCH_CHECK(false, "t3d: this build of t3d has no CUDA path yet (tensor on ", t.device(), "); ", c.op,
-                " argument '", arg, "' on rank ", c.rank);
-  }
-  TORCH_CHECK(t.device().is_cpu(), "t3d: ", c.op, " on rank ", c.rank, ": argument '", arg, "' is on device ",
-              t.device(), "; t3d serves cpu (and later cuda) tensors");
+  TORCH_CHECK(t.device().is_cpu() || t.device().is_cuda(), "t3d: ", c.op, " on rank ", c.rank, ": argument '", arg,
+              "' is on device ", t.device(), "; t3d serves cpu and cuda tensors");
   TORCH_CHECK(t.layout() == at::kStrided, "t3d: ", c.op, " on rank ", c.rank, ": argument '", arg, "' has layout ",
               t.layout(), "; only dense (strided) tensors are supported");
+  if (!c.device) {
+    c.device = t.device();
+    c.deviceArg = arg;
+  }
+  TORCH_CHECK(*c.device == t.device(), "t3d: ", c.op, " on rank ", c.rank, ": argument '", arg, "' is on ",
+              t.device(), " but '", c.deviceArg, "' is on ", *c.device, "; the tensors of one call share a device");
 }
 
 void checkSameDtype(const OpCtx& c, const char* arg, const at::Tensor& t, const at::Tensor& ref, const char* refArg) {

@@ -14,10 +14,13 @@ extern "C" {
 
 namespace t3d_shim {
 
-// Who is asking: used in every message.
+// Who is asking: used in every message. checkTensor records the device of the call's first tensor, which every
+// other tensor of the call must share.
 struct OpCtx {
   const char* op;  // the c10d name, e.g. "allreduce"
   int rank;
+  mutable c10::optional<at::Device> device = c10::nullopt;
+  mutable std::string deviceArg = std::string();
 };
 
 // How a tensor travels through the C library. `scale` converts torch elements to C elements: 1 for a mapped dtype,
@@ -37,7 +40,7 @@ t3d_redop_t mapReduceOp(const OpCtx& c, const c10d::ReduceOp& op, double* premul
 // Rejects op/dtype pairs the C library cannot reduce (e.g. BAND on float, MIN on complex).
 void checkReduceSupported(const OpCtx& c, const char* arg, t3d_redop_t op, const at::Tensor& t, t3d_dtype_t dt);
 
-// Device, layout and definedness; CUDA tensors are rejected until the CUDA path exists.
+// Device (cpu or cuda, the same for every tensor of a call), layout and definedness.
 void checkTensor(const OpCtx& c, const char* arg, const at::Tensor& t);
 void checkSameDtype(const OpCtx& c, const char* arg, const at::Tensor& t, const at::Tensor& ref, const char* refArg);
 void checkListSize(const OpCtx& c, const char* arg, size_t got, size_t want);

@@ -8,9 +8,13 @@
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
 #include <ATen/core/jit_type.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 
+#include <cstdlib>
 #include <sstream>
+#include <thread>
 
 namespace t3d_shim {
 
@@ -117,7 +121,7 @@ void WorkT3D::requestDone(t3d_result_t res) {
     }
     if (post_) {
       try {
-        post_(*this);
+        post_(req_);
       } catch (...) {
         err = std::current_exception();
       }
@@ -255,6 +259,127 @@ c10::intrusive_ptr<c10::ivalue::Future> WorkT3D::getFuture() {
   }
   if (done) markFuture();
   return f;
+}
+
+// ---- WorkT3DDevice ---------------------------------------------------------------------------------------------
+
+namespace {
+const c10::TypePtr& tensorListType() {
+  static const c10::TypePtr kTensorList = c10::ListType::create(c10::TensorType::get());
+  return kTensorList;
+}
+
+bool blockingWait() {
+  static const bool on = [] {
+    const char* v = std::getenv("T3D_CUDA_BLOCKING_WAIT");
+    return v != nullptr && v[0] == '1';
+  }();
+  return on;
+}
+}  // namespace
+
+WorkT3DDevice::WorkT3DDevice(std::shared_ptr<CommHandle> comm, int rank, c10d::OpType type, const char* opName,
+                             std::string group, uint64_t seq, int64_t timeoutMs, std::vector<at::Tensor> outputs,
+                             c10::Device device)
+    : Work(rank, type, at::hasCallbacks() ? (std::string("t3d:") + opName).c_str() : nullptr),
+      comm_(std::move(comm)),
+      opName_(opName),
+      group_(std::move(group)),
+      seq_(seq),
+      timeoutMs_(timeoutMs),
+      outputs_(std::move(outputs)),
+      device_(device),
+      done_(device.type()) {
+}
+
+std::string WorkT3DDevice::describe() const {
+  std::ostringstream os;
+  os << opName_ << " #" << seq_ << " on rank " << rank_ << " of group '" << group_ << "' (" << device_ << ")";
+  return os.str();
+}
+
+void WorkT3DDevice::markEnqueued(const c10::Stream& stream) {
+  done_.record(stream);
+  // The future's value is ready in the order of this stream: consumers wait for it there (what NCCL's works do).
+  auto future = c10::make_intrusive<c10::ivalue::Future>(tensorListType(), std::vector<c10::Device>{device_});
+  {
+    c10::StreamGuard guard(stream);
+    future->markCompleted(c10::IValue(outputs_));
+  }
+  {
+    std::lock_guard<std::mutex> lk(mutex_);
+    future_ = std::move(future);
+  }
+  enqueued_.store(true, std::memory_order_release);
+}
+
+void WorkT3DDevice::checkEnqueued(const char* what) const {
+  TORCH_CHECK(enqueued_.load(std::memory_order_acquire), "t3d: ", what, " of ", describe(),
+              " before its coalescing block ended: wait on the work that endCoalescing returns");
+}
+
+std::exception_ptr WorkT3DDevice::commError() const {
+  std::lock_guard<std::mutex> lk(comm_->mu);
+  if (comm_->state != CommHandle::kAlive) return nullptr;
+  t3d_result_t r = t3d_comm_status(comm_->comm);
+  if (r == T3D_OK) return nullptr;
+  try {
+    C10_THROW_ERROR(DistBackendError, c10::str("t3d: ", describe(), ": ", t3d_result_string(r), ": ",
+                                               t3d_comm_last_error(comm_->comm)));
+  } catch (...) {
+    return std::current_exception();
+  }
+}
+
+bool WorkT3DDevice::isCompleted() {
+  return enqueued_.load(std::memory_order_acquire) && done_.query();
+}
+
+bool WorkT3DDevice::isSuccess() const {
+  return commError() == nullptr;
+}
+
+std::exception_ptr WorkT3DDevice::exception() const {
+  return commError();
+}
+
+void WorkT3DDevice::synchronize() {
+  checkEnqueued("synchronize()");
+  c10::impl::VirtualGuardImpl impl(device_.type());
+  done_.block(impl.getStream(device_));
+}
+
+bool WorkT3DDevice::wait(std::chrono::milliseconds timeout) {
+  checkEnqueued("wait()");
+  if (blockingWait()) {
+    int64_t ms = timeout == kNoTimeout ? timeoutMs_ : timeout.count();
+    const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(ms);
+    uint64_t since = 0;
+    while (!done_.query()) {
+      if (std::chrono::steady_clock::now() > until) {
+        // A device that never finishes is a lost peer or a desynchronised group: end the group as NCCL's watchdog
+        // does, so that nothing queued after this waits for it too.
+        comm_->abort();
+        C10_THROW_ERROR(DistBackendError, c10::str("t3d: ", describe(), " did not complete on the device within ",
+                                                   ms, " ms; the group was aborted"));
+      }
+      if (t3d_backoff_poll(&since)) std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+  } else {
+    synchronize();
+  }
+  if (std::exception_ptr e = commError()) std::rethrow_exception(e);
+  return true;
+}
+
+void WorkT3DDevice::abort() {
+  if (comm_) comm_->abort();
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> WorkT3DDevice::getFuture() {
+  checkEnqueued("getFuture()");
+  std::lock_guard<std::mutex> lk(mutex_);
+  return future_;
 }
 
 }  // namespace t3d_shim

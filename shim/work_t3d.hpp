@@ -1,9 +1,12 @@
 // WorkT3D: a c10d::Work over one t3d request (or a coalesced group of them), with a real ivalue::Future.
+// WorkT3DDevice: the same for CUDA tensors, where completion is an event on the group's stream.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <ATen/core/ivalue.h>
+#include <c10/core/Event.h>
+#include <c10/core/Stream.h>
 
 #include <atomic>
 #include <functional>
@@ -49,7 +52,7 @@ class WorkT3D : public c10d::Work {
   void keepAlive(const at::Tensor& t) {
     keep_.push_back(t);
   }
-  void setPost(std::function<void(WorkT3D&)> post) {
+  void setPost(std::function<void(t3d_request_t*)> post) {
     post_ = std::move(post);
   }
   // Registers the completion callback. The callback holds a reference, so the work lives until it has run.
@@ -97,7 +100,7 @@ class WorkT3D : public c10d::Work {
   int64_t timeoutMs_;
   std::vector<at::Tensor> outputs_;
   std::vector<at::Tensor> keep_;
-  std::function<void(WorkT3D&)> post_;
+  std::function<void(t3d_request_t*)> post_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;  // made by the first getFuture(); guarded by Work::mutex_
 
   // Guarded by Work::mutex_ (as are completed_ and exception_).
@@ -109,6 +112,53 @@ class WorkT3D : public c10d::Work {
   std::atomic<bool> futureMarked_{false};
   // Set (release) after completed_/exception_ are published under the mutex: lets wait() poll before it sleeps.
   std::atomic<bool> done_{false};
+};
+
+// A CUDA operation: NCCL runs it on the group's stream, and the work completes with an event recorded there after
+// the operation and its copy-back steps. As with NCCL's works, wait() makes the caller's current stream wait for
+// that event and returns at once; with T3D_CUDA_BLOCKING_WAIT=1 it blocks the calling thread until the event has
+// passed, up to the operation's timeout, and aborts the group when that runs out.
+class WorkT3DDevice : public c10d::Work {
+ public:
+  WorkT3DDevice(std::shared_ptr<CommHandle> comm, int rank, c10d::OpType type, const char* opName, std::string group,
+                uint64_t seq, int64_t timeoutMs, std::vector<at::Tensor> outputs, c10::Device device);
+
+  // Once everything the work covers is enqueued on `stream`: records the completion event there, and completes the
+  // future in stream order. Until then (inside a coalescing block) the work cannot be waited on.
+  void markEnqueued(const c10::Stream& stream);
+  const std::vector<at::Tensor>& outputs() const {
+    return outputs_;
+  }
+  std::string describe() const;
+
+  bool isCompleted() override;
+  bool isSuccess() const override;
+  std::exception_ptr exception() const override;
+  std::vector<at::Tensor> result() override {
+    return outputs_;
+  }
+  void synchronize() override;
+  bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
+  void abort() override;
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
+  uint64_t getSequencenumber() const override {
+    return seq_;
+  }
+
+ private:
+  void checkEnqueued(const char* what) const;
+  std::exception_ptr commError() const;
+
+  std::shared_ptr<CommHandle> comm_;
+  const char* opName_;  // a string literal
+  std::string group_;
+  uint64_t seq_;
+  int64_t timeoutMs_;
+  std::vector<at::Tensor> outputs_;
+  c10::Device device_;
+  c10::Event done_;
+  std::atomic<bool> enqueued_{false};
+  c10::intrusive_ptr<c10::ivalue::Future> future_;  // set by markEnqueued
 };
 
 }  // namespace t3d_shim

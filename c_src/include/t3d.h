@@ -92,11 +92,27 @@ typedef struct t3d_config {
 /* Fills the defaults above. */
 void t3d_config_init(t3d_config_t *cfg);
 
-/* Per-call options; pass NULL for the defaults. */
+/* Where a call's buffers live. */
+typedef enum t3d_memtype {
+  T3D_MEM_HOST = 0, /* host memory: shared memory between ranks of a host, UCX otherwise */
+  T3D_MEM_CUDA = 1  /* device memory of one CUDA device: through NCCL (libnccl.so.2, loaded at the first such call) */
+} t3d_memtype_t;
+
+/* Per-call options; pass NULL for the defaults. A zeroed struct is the defaults too. */
 typedef struct t3d_opts {
   int64_t timeout_ms;   /* <= 0: the communicator's timeout */
   double premul_scalar; /* factor of T3D_PREMUL_SUM */
   unsigned flags;       /* T3D_FLAG_* */
+  /* T3D_MEM_CUDA: the buffers are on CUDA device `device`, which must be the calling thread's current device, and
+   * the operation is enqueued on `stream` (a cudaStream_t; NULL is the legacy default stream). Such a request
+   * completes as soon as NCCL has enqueued it: the data is ready in stream order, and a failure on the device shows
+   * in t3d_comm_status. The first CUDA collective of a communicator creates its NCCL communicator, a collective
+   * over all its ranks (rank 0 puts NCCL's unique id in the store); a send or receive outside a group uses its own
+   * two-rank NCCL communicator, so it needs only its peer. Tags are ignored and T3D_ANY_SOURCE is not supported,
+   * as in NCCL; a communicator serves one CUDA device; barriers always run on the host. */
+  t3d_memtype_t memtype;
+  int device;
+  void *stream;
 } t3d_opts_t;
 
 /* t3d_recv: a message longer than the buffer fills it and the rest is dropped (not an error);
@@ -208,6 +224,11 @@ void t3d_request_free(t3d_request_t *req);
 /* Library facts: "0.1.0", transports compiled in ("ucx"), UCX version. */
 const char *t3d_version_string(void);
 const char *t3d_ucx_version_string(void);
+/* The NCCL library that CUDA buffers would use ("2.27.5"), loading it if needed; "" when none can be loaded, and
+ * then t3d_nccl_load_error() says why. T3D_NCCL_LIBRARY names the library file (default: libnccl.so.2, which in a
+ * torch process is the copy torch loaded). */
+const char *t3d_nccl_version_string(void);
+const char *t3d_nccl_load_error(void);
 
 #ifdef __cplusplus
 }

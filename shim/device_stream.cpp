@@ -1,0 +1,31 @@
+// nativeCudaStream: built with c10/cuda when the torch it is built against has CUDA (T3D_SHIM_CUDA), else a stub.
+#include "device_stream.hpp"
+
+#include <c10/util/Exception.h>
+
+#ifdef T3D_SHIM_CUDA
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+namespace t3d_shim {
+
+#ifdef T3D_SHIM_CUDA
+bool cudaStreamsAvailable() {
+  return true;
+}
+
+void* nativeCudaStream(const c10::Stream& stream) {
+  return static_cast<void*>(c10::cuda::CUDAStream(stream).stream());
+}
+#else
+bool cudaStreamsAvailable() {
+  return false;
+}
+
+void* nativeCudaStream(const c10::Stream& stream) {
+  TORCH_CHECK(false, "t3d: this build of t3d's torch shim has no CUDA support (the torch it was built against has no "
+              "CUDA, or its CUDA headers were not found); it cannot run collectives on ", stream.device());
+}
+#endif
+
+}  // namespace t3d_shim
