@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cmath>
 
+#include "device_stream.hpp"
 #include "process_group_t3d.hpp"
 
 namespace py = pybind11;
@@ -86,7 +87,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     d["torch_built"] = T3D_TORCH_BUILD_VERSION;
     d["torch_abi_version"] = TORCH_VERSION;
     d["ucx_version"] = t3d_ucx_version_string();
-    d["cuda"] = false;
+    d["cuda"] = t3d_shim::cudaStreamsAvailable();
+    // Loads NCCL if need be: in a CUDA build of torch this is the library torch already loaded.
+    const char* nccl = t3d_nccl_version_string();
+    d["nccl_version"] = nccl[0] ? py::object(py::str(nccl)) : py::object(py::none());
+    d["nccl_error"] = t3d_nccl_load_error();
     return d;
   });
 }

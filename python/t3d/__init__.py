@@ -52,7 +52,10 @@ def _cpu_features() -> list[str]:
 
 
 def build_info() -> dict:
-    """Versions and capabilities of this build: t3d, the torch it was built against, CUDA/NCCL/UCX, CPU features."""
+    """Versions and capabilities of this build: t3d, the torch it was built against, CUDA/NCCL/UCX, CPU features.
+
+    `cuda`: the backend serves CUDA tensors (built against a CUDA torch); `nccl_version`: the NCCL those would use
+    (loaded now if need be), or None with `nccl_error` saying why."""
     import torch
 
     info = dict(_C._build_info())
@@ -61,7 +64,8 @@ def build_info() -> dict:
         "torch_built": info["torch_built"],
         "torch_runtime": torch.__version__,
         "cuda": bool(info["cuda"]),
-        "nccl_version": None,
+        "nccl_version": info["nccl_version"],
+        "nccl_error": info["nccl_error"] or None,
         "ucx_version": info["ucx_version"] or None,
         "cpu_features": _cpu_features(),
     }

@@ -1,0 +1,202 @@
+# CUDA tensors on backend t3d (NCCL underneath): every collective's values, stream order (results are ready on the
+# caller's stream after wait(), also when the caller works on a side stream), futures, coalescing, DDP, and the
+# errors of mixed devices. The GPU tests skip without a GPU, and the two-rank ones without two (NCCL refuses two
+# ranks on one GPU). One check runs everywhere: what build_info says of CUDA and NCCL.
+import pytest
+
+import _dist
+
+torch = pytest.importorskip("torch")
+
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+NEEDS_GPU = pytest.mark.skipif(GPUS < 1, reason="no CUDA device on this machine")
+NEEDS_2_GPUS = pytest.mark.skipif(GPUS < 2, reason=f"{GPUS} CUDA device(s): NCCL needs one GPU per rank")
+
+
+def test_build_info_reports_cuda_and_nccl():
+    import t3d
+
+    info = t3d.build_info()
+    if torch.version.cuda is None:
+        assert info["cuda"] is False
+        return
+    # A CUDA torch: the shim is built with CUDA support and finds the NCCL torch itself loaded.
+    assert info["cuda"] is True
+    assert info["nccl_version"] == ".".join(str(v) for v in torch.cuda.nccl.version()), info
+
+
+# ---- on GPUs --------------------------------------------------------------------------------------------------
+
+
+def _dev(rank):
+    d = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(d)
+    return d
+
+
+def _collectives(rank, ws):
+    """Every collective on CUDA tensors, with values every rank can predict."""
+    import torch.distributed as dist
+    dev = _dev(rank)
+    n = 1000
+    base = torch.arange(n, dtype=torch.float32, device=dev)
+
+    t = base + rank
+    dist.all_reduce(t)
+    assert torch.equal(t, base * ws + sum(range(ws))), "all_reduce SUM"
+    for op, want in [(dist.ReduceOp.MAX, base + ws - 1), (dist.ReduceOp.MIN, base),
+                     (dist.ReduceOp.AVG, base + (ws - 1) / 2)]:
+        t = base + rank
+        dist.all_reduce(t, op=op)
+        assert torch.allclose(t, want), f"all_reduce {op}"
+    t = torch.full((n,), float(rank + 1), dtype=torch.bfloat16, device=dev)
+    dist.all_reduce(t, op=dist._make_nccl_premul_sum(0.5))
+    assert torch.allclose(t.float(), torch.full((n,), 0.5 * sum(range(1, ws + 1)), device=dev)), "PREMUL_SUM bf16"
+    b = torch.tensor([True, False, rank == 0], device=dev)
+    dist.all_reduce(b)  # bool SUM is "any"
+    assert b.tolist() == [True, False, True], "bool SUM"
+
+    t = base + rank
+    dist.broadcast(t, src=ws - 1)
+    assert torch.equal(t, base + ws - 1), "broadcast"
+
+    out = torch.empty(ws * n, device=dev)
+    dist.all_gather_into_tensor(out, base + rank)
+    assert torch.equal(out, torch.cat([base + r for r in range(ws)])), "all_gather_into_tensor"
+    outs = [torch.empty(r + 1, device=dev) for r in range(ws)]
+    dist.all_gather(outs, torch.full((rank + 1,), float(rank), device=dev))  # uneven sizes
+    assert all(torch.equal(o, torch.full((r + 1,), float(r), device=dev)) for r, o in enumerate(outs)), "all_gather"
+
+    inp = torch.cat([base + 10 * r + rank for r in range(ws)])
+    out = torch.empty(n, device=dev)
+    dist.reduce_scatter_tensor(out, inp)
+    assert torch.equal(out, ws * (base + 10 * rank) + sum(range(ws))), "reduce_scatter_tensor"
+
+    # all_to_all_single with uneven and zero splits, as context parallelism uses it.
+    send = [(r + rank) % 3 for r in range(ws)]
+    recv = [(rank + r) % 3 for r in range(ws)]
+    inp = torch.cat([torch.full((send[r], 2), float(100 * rank + r), device=dev) for r in range(ws)])
+    out = torch.empty(sum(recv), 2, device=dev)
+    dist.all_to_all_single(out, inp, recv, send)
+    want = torch.cat([torch.full((recv[r], 2), float(100 * r + rank), device=dev) for r in range(ws)])
+    assert torch.equal(out, want), "all_to_all_single"
+
+    gathered = [torch.empty(3, device=dev) for _ in range(ws)] if rank == 0 else None
+    dist.gather(torch.full((3,), float(rank), device=dev), gathered, dst=0)
+    if rank == 0:
+        assert all(torch.equal(g, torch.full((3,), float(r), device=dev)) for r, g in enumerate(gathered)), "gather"
+    got = torch.empty(3, device=dev)
+    dist.scatter(got, [torch.full((3,), float(r), device=dev) for r in range(ws)] if rank == 0 else None, src=0)
+    assert torch.equal(got, torch.full((3,), float(rank), device=dev)), "scatter"
+    t = base + rank
+    dist.reduce(t, dst=0)
+    if rank == 0:
+        assert torch.equal(t, base * ws + sum(range(ws))), "reduce"
+    dist.barrier()
+    return True
+
+
+def _stream_order(rank, ws):
+    """The caller works on a side stream: inputs written there are what the collective reads, and after wait() the
+    result is what later work on that stream sees; async_op with a future, too."""
+    import torch.distributed as dist
+    dev = _dev(rank)
+    side = torch.cuda.Stream(device=dev)
+    with torch.cuda.stream(side):
+        for i in range(20):
+            t = torch.full((1 << 20,), float(rank + i), device=dev)
+            t.mul_(2)  # queued on `side` right before the collective
+            work = dist.all_reduce(t, async_op=True)
+            work.wait()
+            t.add_(1)
+            assert t[0].item() == 2 * sum(rank_ + i for rank_ in range(ws)) + 1, f"iteration {i}"
+        t = torch.ones(1000, device=dev)
+        fut = dist.all_reduce(t, async_op=True).get_future().then(lambda f: f.value()[0] * 3)
+        assert torch.equal(fut.wait(), torch.full((1000,), 3.0 * ws, device=dev)), "future"
+    torch.cuda.synchronize(dev)
+    return True
+
+
+def _coalesced_and_objects(rank, ws):
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _coalescing_manager
+    dev = _dev(rank)
+    ins = [torch.full((4,), float(rank + i), device=dev) for i in range(3)]
+    outs = [torch.empty(4 * ws, device=dev) for _ in range(3)]
+    with _coalescing_manager(device=dev, async_ops=True) as cm:
+        for o, i in zip(outs, ins):
+            dist.all_gather_into_tensor(o, i)
+    cm.wait()
+    for k, o in enumerate(outs):
+        assert torch.equal(o, torch.cat([torch.full((4,), float(r + k), device=dev) for r in range(ws)]))
+    objs = [None] * ws
+    dist.all_gather_object(objs, {"rank": rank})
+    assert objs == [{"rank": r} for r in range(ws)]
+    return True
+
+
+def _mixed_devices_rejected(rank, ws):
+    import torch.distributed as dist
+    dev = _dev(rank)
+    with pytest.raises(RuntimeError, match="the tensors of one call share a device"):
+        dist.all_gather_into_tensor(torch.empty(4 * ws, device=dev), torch.empty(4))
+    # The group goes on: CPU and CUDA collectives interleave on one t3d group.
+    c, g = torch.ones(8), torch.ones(8, device=dev)
+    dist.all_reduce(c)
+    dist.all_reduce(g)
+    assert c.sum().item() == 8 * ws and g.sum().item() == 8 * ws
+    return True
+
+
+def _ddp_matches_one_process(rank, ws):
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    dev = _dev(rank)
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).to(dev)
+    model = DDP(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).to(dev), device_ids=[dev.index])
+    model.module.load_state_dict(ref.state_dict())
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(ws * 8, 16, generator=g).to(dev), torch.randn(ws * 8, 4, generator=g).to(dev)
+    nn.functional.mse_loss(ref(x), y).backward()
+    nn.functional.mse_loss(model(x[rank * 8:(rank + 1) * 8]), y[rank * 8:(rank + 1) * 8]).backward()
+    for p, r in zip(model.parameters(), ref.parameters()):
+        assert torch.allclose(p.grad, r.grad, atol=1e-5), "DDP gradient"
+    dist.barrier()
+    return True
+
+
+def _p2p(rank, ws):
+    import torch.distributed as dist
+    dev = _dev(rank)
+    # Standalone send/recv between two ranks (a two-rank NCCL communicator), then a batched ring.
+    if rank < 2:
+        t = torch.full((5,), float(rank), device=dev)
+        if rank == 0:
+            dist.send(t, dst=1)
+        else:
+            dist.recv(t, src=0)
+            assert torch.equal(t, torch.zeros(5, device=dev)), "recv"
+    send = torch.full((7,), float(rank), device=dev)
+    recv = torch.empty(7, device=dev)
+    ops = [dist.P2POp(dist.isend, send, (rank + 1) % ws), dist.P2POp(dist.irecv, recv, (rank - 1) % ws)]
+    for w in dist.batch_isend_irecv(ops):
+        w.wait()
+    assert torch.equal(recv, torch.full((7,), float((rank - 1) % ws), device=dev)), "ring"
+    return True
+
+
+GPU_CASES = [_collectives, _stream_order, _coalesced_and_objects, _mixed_devices_rejected, _ddp_matches_one_process]
+
+
+@NEEDS_GPU
+@pytest.mark.parametrize("fn", GPU_CASES, ids=lambda f: f.__name__.strip("_"))
+def test_one_rank_on_gpu(fn):
+    assert _dist.run_world(fn, 1, timeout=180) == [True]
+
+
+@NEEDS_2_GPUS
+@pytest.mark.parametrize("fn", GPU_CASES + [_p2p], ids=lambda f: f.__name__.strip("_"))
+def test_two_ranks_on_gpus(fn):
+    assert _dist.run_world(fn, 2, timeout=180) == [True, True]
