@@ -144,7 +144,8 @@ static t3d_result_t make_comm(run_t *rn, const char *key, int nranks, int rank, 
   t3d_nccl_config_t cfg = {sizeof cfg, T3D_NCCL_CONFIG_MAGIC, T3D_NCCL_CONFIG_VERSION, 0, T3D_NCCL_CONFIG_UNDEF_INT,
                            T3D_NCCL_CONFIG_UNDEF_INT, T3D_NCCL_CONFIG_UNDEF_INT, NULL};
   t3d_nccl_comm_t nc = NULL;
-  t3d_result_t res = settle(rn, nc, api->CommInitRankConfig(&nc, nranks, id, rank, &cfg), "ncclCommInitRankConfig");
+  t3d_nccl_result_t started = api->CommInitRankConfig(&nc, nranks, id, rank, &cfg);
+  t3d_result_t res = settle(rn, nc, started, "ncclCommInitRankConfig");
   if (res != T3D_OK) {
     if (nc != NULL) api->CommAbort(nc);
     return res;
@@ -454,6 +455,13 @@ t3d_result_t t3d__nccl_run(t3d_comm_t *comm, t3d_request_t **reqs, int n, int gr
   }
   char msg[1024] = "";
   if (res < 0) snprintf(msg, sizeof msg, "%s", t3d_comm_last_error(comm));
+  /* As on the host path: after a timeout or a lost peer the ranks are out of step, so the group fails fast. */
+  if (res == T3D_ERR_TIMEOUT || res == T3D_ERR_PEER_LOST || res == T3D_ERR_TRANSPORT || res == T3D_ERR_SYSTEM) {
+    pthread_mutex_lock(&st->mu);
+    if (st->broken == T3D_OK) st->broken = res;
+    pthread_mutex_unlock(&st->mu);
+    t3d__fail_comm(comm, res, msg);
+  }
   for (int i = 0; i < n; i++) t3d__request_complete(reqs[i], res, msg);
   return res;
 }
