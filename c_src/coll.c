@@ -427,7 +427,8 @@ static size_t rcounts_bytes(const t3d_request_t *r, int n, size_t *maxb) {
 /* On a communicator with shared memory: a small allreduce that needs no staging buffer (no half type, no
  * PREMUL_SUM, input and output the same or apart) and fits the one-shot; a barrier; a small broadcast or allgatherv
  * whose blocks fit one half; a small reduce_scatterv of a real, non-half type (not PREMUL_SUM) done in one step,
- * output apart from the input. (The half these write must be free now.) */
+ * output apart from the input; a small alltoallv whose blocks to others fit one piece, receive blocks apart from
+ * its send blocks. (The half these write must be free now.) */
 int t3d__inline_eligible(t3d_comm_t *comm, const t3d_request_t *r) {
   if (comm->shm == NULL || comm->inline_max < 0 || atomic_load(&comm->fatal) != 0) return 0;
   size_t es = t3d_dtype_size(r->dtype), bytes = r->count * es, total, maxb;
@@ -449,6 +450,19 @@ int t3d__inline_eligible(t3d_comm_t *comm, const t3d_request_t *r) {
     case T3D_OP_ALLGATHERV:
       total = rcounts_bytes(r, comm->size, &maxb);
       return total <= (uint64_t)comm->inline_max && t3d__shm_gather_fits(comm->shm, total, maxb);
+    case T3D_OP_ALLTOALLV:
+      total = 0;
+      maxb = 0;
+      for (int q = 0; q < comm->size; q++) {
+        total += r->scounts[q] * es;
+        if (q != comm->rank && r->scounts[q] * es > maxb) maxb = r->scounts[q] * es;
+      }
+      if (total == 0 || total > (uint64_t)comm->inline_max || r->scounts[comm->rank] != r->rcounts[comm->rank])
+        return 0;
+      if (t3d__alltoall_overlaps(comm->size, r->sendbuf, r->scounts, r->sdispls, r->recvbuf, r->rcounts, r->rdispls,
+                                 es))
+        return 0;
+      return t3d__shm_a2a_fits(comm->shm, maxb);
     default: return 0;
   }
 }
@@ -462,6 +476,9 @@ static t3d_result_t finish_inline(t3d_exec_t *ex, t3d_request_t *r) {
     case T3D_OP_BARRIER: return t3d__shm_barrier_finish(ex, &r->rs);
     case T3D_OP_BROADCAST: return t3d__shm_bcast_finish(ex, &r->rs, r->recvbuf, r->count * es, r->root);
     case T3D_OP_ALLGATHERV: return t3d__shm_gather_finish(ex, &r->rs, r->recvbuf, r->rcounts, r->rdispls, es);
+    case T3D_OP_ALLTOALLV:
+      return t3d__shm_a2a_finish(ex, &r->rs, r->sendbuf, r->scounts, r->sdispls, r->recvbuf, r->rcounts, r->rdispls,
+                                 es);
     case T3D_OP_REDUCE_SCATTERV:
       n = r->rcounts[ex->rank];
       T3D_CHECK(t3d__shm_rs_finish(ex, &r->rs, r->sendbuf, r->recvbuf, r->rcounts, dt, op));
@@ -487,6 +504,9 @@ t3d_result_t t3d__execute_start(t3d_exec_t *ex, t3d_request_t *r) {
       break;
     case T3D_OP_ALLGATHERV:
       T3D_CHECK(t3d__shm_gather_start(ex, r->sendbuf, r->recvbuf, r->rcounts, r->rdispls, es, &r->rs));
+      break;
+    case T3D_OP_ALLTOALLV:
+      T3D_CHECK(t3d__shm_a2a_start(ex, r->sendbuf, r->scounts, r->sdispls, es, &r->rs));
       break;
     case T3D_OP_REDUCE_SCATTERV:
       T3D_CHECK(t3d__shm_rs_start(ex, r->sendbuf, r->rcounts, r->dtype, &r->rs));
@@ -526,12 +546,15 @@ t3d_result_t t3d__execute(t3d_exec_t *ex, t3d_request_t *r) {
       free(b1);
       return res;
     case T3D_OP_ALLTOALLV:
+      if (shm) {
+        return t3d__shm_alltoallv(ex, r->sendbuf, r->scounts, r->sdispls, r->recvbuf, r->rcounts, r->rdispls,
+                                  esize);
+      }
       b1 = to_bytes(r->scounts, r->sdispls, ex->size, esize);
       b2 = to_bytes(r->rcounts, r->rdispls, ex->size, esize);
       res = T3D_ERR_NO_MEMORY;
       if (b1 != NULL && b2 != NULL) {
-        res = shm ? t3d__shm_alltoallv(ex, r->sendbuf, b1, b1 + ex->size, r->recvbuf, b2, b2 + ex->size)
-                  : t3d__algo_alltoallv(ex, r->sendbuf, b1, b1 + ex->size, r->recvbuf, b2, b2 + ex->size);
+        res = t3d__algo_alltoallv(ex, r->sendbuf, b1, b1 + ex->size, r->recvbuf, b2, b2 + ex->size);
       }
       free(b1);
       free(b2);

@@ -107,29 +107,36 @@ uint64_t t3d__p2p_tag(int64_t user_tag, int src) {
 
 const char *t3d_version_string(void) { return "0.1.0"; }
 
-/* Byte range [lo, hi) covered by the non-empty blocks. */
-static void block_extent(int n, const size_t *bytes, const size_t *displs, size_t *lo, size_t *hi) {
+/* Byte range [lo, hi) covered by the non-empty blocks (counts and displacements in elements of es bytes). */
+static void block_extent(int n, const size_t *counts, const size_t *displs, size_t es, size_t *lo, size_t *hi) {
   *lo = SIZE_MAX;
   *hi = 0;
   for (int p = 0; p < n; p++) {
-    if (bytes[p] == 0) continue;
-    if (displs[p] < *lo) *lo = displs[p];
-    if (displs[p] + bytes[p] > *hi) *hi = displs[p] + bytes[p];
+    if (counts[p] == 0) continue;
+    if (displs[p] * es < *lo) *lo = displs[p] * es;
+    if ((displs[p] + counts[p]) * es > *hi) *hi = (displs[p] + counts[p]) * es;
   }
   if (*hi == 0) *lo = 0;
 }
 
-t3d_result_t t3d__alltoall_source(int n, const void *sendbuf, const size_t *sbytes, const size_t *sdispls,
-                                  const void *recvbuf, const size_t *rbytes, const size_t *rdispls, const char **src,
-                                  size_t *bias, void **copy) {
-  const char *sb = sendbuf;
+int t3d__alltoall_overlaps(int n, const void *sendbuf, const size_t *scounts, const size_t *sdispls,
+                           const void *recvbuf, const size_t *rcounts, const size_t *rdispls, size_t es) {
   size_t slo, shi, rlo, rhi;
-  block_extent(n, sbytes, sdispls, &slo, &shi);
-  block_extent(n, rbytes, rdispls, &rlo, &rhi);
+  block_extent(n, scounts, sdispls, es, &slo, &shi);
+  block_extent(n, rcounts, rdispls, es, &rlo, &rhi);
+  return t3d__overlap((const char *)sendbuf + slo, shi - slo, (const char *)recvbuf + rlo, rhi - rlo);
+}
+
+t3d_result_t t3d__alltoall_source(int n, const void *sendbuf, const size_t *scounts, const size_t *sdispls,
+                                  const void *recvbuf, const size_t *rcounts, const size_t *rdispls, size_t es,
+                                  const char **src, size_t *bias, void **copy) {
+  const char *sb = sendbuf;
+  size_t slo, shi;
   *src = sb;
   *bias = 0;
   *copy = NULL;
-  if (!t3d__overlap(sb + slo, shi - slo, (const char *)recvbuf + rlo, rhi - rlo)) return T3D_OK;
+  if (!t3d__alltoall_overlaps(n, sendbuf, scounts, sdispls, recvbuf, rcounts, rdispls, es)) return T3D_OK;
+  block_extent(n, scounts, sdispls, es, &slo, &shi);
   char *c = malloc(shi - slo);
   if (c == NULL) return T3D_ERR_NO_MEMORY;
   memcpy(c, sb + slo, shi - slo);

@@ -48,12 +48,16 @@ static inline int t3d__overlap(const void *a, size_t na, const void *b, size_t n
   uintptr_t x = (uintptr_t)a, y = (uintptr_t)b;
   return na > 0 && nb > 0 && x < y + nb && y < x + na;
 }
+/* Nonzero when the receive blocks of an alltoallv share a byte with its send blocks (counts and displacements in
+ * elements of es bytes). */
+int t3d__alltoall_overlaps(int n, const void *sendbuf, const size_t *scounts, const size_t *sdispls,
+                           const void *recvbuf, const size_t *rcounts, const size_t *rdispls, size_t es);
 /* Where an alltoallv sends from: when the receive blocks overlap the send blocks (in place, say), incoming data
  * would overwrite outgoing data before it leaves, so *copy gets the byte range the send blocks cover and block p
- * is read at *src + sdispls[p] - *bias; otherwise *src = sendbuf, *bias = 0, *copy = NULL. Free *copy after. */
-t3d_result_t t3d__alltoall_source(int n, const void *sendbuf, const size_t *sbytes, const size_t *sdispls,
-                                  const void *recvbuf, const size_t *rbytes, const size_t *rdispls, const char **src,
-                                  size_t *bias, void **copy);
+ * is read at *src + sdispls[p] * es - *bias; otherwise *src = sendbuf, *bias = 0, *copy = NULL. Free *copy after. */
+t3d_result_t t3d__alltoall_source(int n, const void *sendbuf, const size_t *scounts, const size_t *sdispls,
+                                  const void *recvbuf, const size_t *rcounts, const size_t *rdispls, size_t es,
+                                  const char **src, size_t *bias, void **copy);
 
 /* ---------- time ---------- */
 uint64_t t3d__now_ns(void);
@@ -163,8 +167,9 @@ t3d_result_t t3d__shm_reduce_scatterv(t3d_exec_t *ex, const void *sendbuf, void 
 t3d_result_t t3d__shm_broadcast(t3d_exec_t *ex, void *buf, size_t bytes, int root);
 t3d_result_t t3d__shm_allgatherv(t3d_exec_t *ex, const void *sendbuf, void *recvbuf, const size_t *bytes,
                                  const size_t *displs_bytes);
-t3d_result_t t3d__shm_alltoallv(t3d_exec_t *ex, const void *sendbuf, const size_t *sbytes, const size_t *sdispls,
-                                void *recvbuf, const size_t *rbytes, const size_t *rdispls);
+/* Counts and displacements in elements of es bytes. */
+t3d_result_t t3d__shm_alltoallv(t3d_exec_t *ex, const void *sendbuf, const size_t *scounts, const size_t *sdispls,
+                                void *recvbuf, const size_t *rcounts, const size_t *rdispls, size_t es);
 t3d_result_t t3d__shm_barrier(t3d_exec_t *ex);
 /* Collectives a caller starts on its own thread, in parts: start publishes what this rank contributes and never
  * waits; start_wait waits until rank `who` (-1: every other rank) has published (T3D_OK), until `until`
@@ -177,7 +182,10 @@ t3d_result_t t3d__shm_barrier(t3d_exec_t *ex);
  *   allgatherv: gather_*, when gather_fits (every block fits one half, which must be free); who = -1; counts
  *              and displacements in elements of es bytes.
  *   reduce_scatterv: rs_*, when rs_fits (one step; the half must be free) and the output does not overlap the
- *              input; who = -1 (a rank whose own block is empty waits for nobody: finish right after start). */
+ *              input; who = -1 (a rank whose own block is empty waits for nobody: finish right after start).
+ *   alltoallv: a2a_*, when a2a_fits (this rank's blocks to others fit one piece of a half, which must be free)
+ *              and the receive blocks do not overlap the send blocks; who = -1. Finish runs any further steps
+ *              that peers with larger blocks need. */
 typedef struct t3d_shm_resume {
   int h;
   uint64_t base;
@@ -200,6 +208,12 @@ t3d_result_t t3d__shm_rs_start(t3d_exec_t *ex, const void *sendbuf, const size_t
                                t3d_shm_resume_t *rs);
 t3d_result_t t3d__shm_rs_finish(t3d_exec_t *ex, const t3d_shm_resume_t *rs, const void *sendbuf, void *recvbuf,
                                 const size_t *counts, t3d_dtype_t dt, t3d_redop_t op);
+int t3d__shm_a2a_fits(t3d_shm_t *shm, size_t max_send_block_bytes);
+t3d_result_t t3d__shm_a2a_start(t3d_exec_t *ex, const void *sendbuf, const size_t *scounts, const size_t *sdispls,
+                                size_t es, t3d_shm_resume_t *rs);
+t3d_result_t t3d__shm_a2a_finish(t3d_exec_t *ex, const t3d_shm_resume_t *rs, const void *sendbuf,
+                                 const size_t *scounts, const size_t *sdispls, void *recvbuf, const size_t *rcounts,
+                                 const size_t *rdispls, size_t es);
 void t3d__shm_barrier_start(t3d_exec_t *ex, t3d_shm_resume_t *rs);
 t3d_result_t t3d__shm_barrier_finish(t3d_exec_t *ex, const t3d_shm_resume_t *rs);
 

@@ -13,7 +13,7 @@ t3d_result_t t3d__algo_alltoallv(t3d_exec_t *ex, const void *sendbuf, const size
   size_t sbias;
   char *rb = (char *)recvbuf;
   void *copy;
-  T3D_CHECK(t3d__alltoall_source(n, sendbuf, sbytes, sdispls, recvbuf, rbytes, rdispls, &sb, &sbias, &copy));
+  T3D_CHECK(t3d__alltoall_source(n, sendbuf, sbytes, sdispls, recvbuf, rbytes, rdispls, 1, &sb, &sbias, &copy));
   t3d_result_t res = T3D_OK;
   if (n > 1) {
     t3d_xfer_t *xs = malloc(2 * (size_t)n * sizeof *xs);

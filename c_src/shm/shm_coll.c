@@ -479,73 +479,145 @@ typedef struct {
   t3d_exec_t *ex;
   const t3d_shm_step_t *st;
   char *rb;
-  const size_t *rbytes, *rdispls;
-  size_t lo, piece, gmax;
+  const size_t *rcounts, *rdispls;
+  size_t es, lo, piece, gmax;
   int nt;
   t3d_result_t res;
 } a2a_ctx_t;
 
 static void a2a_from(void *arg, int p) {
   a2a_ctx_t *c = arg;
+  size_t blk = c->rcounts[p] * c->es;
   if (c->lo == 0) {
     if (c->res == T3D_OK) c->res = t3d__shm_check_info(c->s, c->ex, c->st, p, T3D_OP_ALLTOALLV, 0);
     const t3d_shm_info_t *in = t3d__shm_info(c->s, p, c->st->h);
     if (in->aux > c->gmax) c->gmax = in->aux;
   }
-  if (c->res != T3D_OK || c->lo >= c->rbytes[p]) return;
-  t3d__shm_copy(c->rb + c->rdispls[p] + c->lo, t3d__shm_half(c->s, p, c->st->h) + (size_t)c->s->rank * c->piece,
-                min_sz(c->piece, c->rbytes[p] - c->lo), c->nt);
+  if (c->res != T3D_OK || c->lo >= blk) return;
+  t3d__shm_copy(c->rb + c->rdispls[p] * c->es + c->lo,
+                t3d__shm_half(c->s, p, c->st->h) + (size_t)c->s->rank * c->piece, min_sz(c->piece, blk - c->lo),
+                c->nt);
 }
 
 /* Step k carries piece k (one line-aligned share of the half) of every block: rank p writes its piece for q at
- * q * piece of its half. Only the senders know the block sizes, so step 0 also spreads each rank's largest block
- * through the info lines, and every rank derives the same step count from the maximum. */
-t3d_result_t t3d__shm_alltoallv(t3d_exec_t *ex, const void *sendbuf, const size_t *sbytes, const size_t *sdispls,
-                                void *recvbuf, const size_t *rbytes, const size_t *rdispls) {
-  t3d_shm_t *s = t3d__exec_shm(ex);
-  int n = s->size, me = s->rank;
-  if (sbytes[me] != rbytes[me]) {
-    snprintf(ex->error, sizeof ex->error,
-             "t3d: %s #%llu on group '%s' (rank %d of %d): sends %zu bytes to itself but expects %zu", ex->opname,
-             (unsigned long long)ex->seq, ex->comm->name, me, n, sbytes[me], rbytes[me]);
-    return T3D_ERR_MISMATCH;
+ * offset q * piece of its half, and q copies it out. The number of steps is set by the largest block any rank
+ * sends, which every rank learns from the others' step-0 info. */
+static size_t a2a_piece(const t3d_shm_t *s) { return s->half / (size_t)s->size / 64 * 64; }
+
+/* Largest block this rank sends to another rank, in bytes. */
+static size_t a2a_local_max(int n, int me, const size_t *scounts, size_t es) {
+  size_t m = 0;
+  for (int q = 0; q < n; q++) {
+    if (q != me && scounts[q] * es > m) m = scounts[q] * es;
   }
+  return m;
+}
+
+/* Step begun: writes this rank's piece [lo, lo + piece) of every block into its half and posts phase 1. */
+static t3d_result_t a2a_publish(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step_t *st, const char *sb,
+                                size_t sbias, const size_t *scounts, const size_t *sdispls, size_t es, size_t lo,
+                                size_t local_max) {
+  size_t piece = a2a_piece(s);
+  T3D_CHECK(t3d__shm_step_acquire(s, ex, st));
+  if (lo == 0) t3d__shm_put_info(s, st, T3D_OP_ALLTOALLV, 0, local_max);
+  char *half = t3d__shm_half(s, s->rank, st->h);
+  for (int q = 0; q < s->size; q++) {
+    size_t blk = scounts[q] * es;
+    if (q == s->rank || lo >= blk) continue;
+    memcpy(half + (size_t)q * piece, sb + (sdispls[q] * es - sbias) + lo, min_sz(piece, blk - lo));
+  }
+  t3d__shm_post(s, st->base + 1);
+  return T3D_OK;
+}
+
+/* Copies every peer's piece for this rank as soon as it is there, then posts phase 2. */
+static t3d_result_t a2a_collect(a2a_ctx_t *c) {
+  T3D_CHECK(t3d__shm_wait_each(c->s, c->ex, c->st->base + 1, a2a_from, c));
+  T3D_CHECK(c->res);
+  t3d__shm_post(c->s, c->st->base + 2);
+  return T3D_OK;
+}
+
+static a2a_ctx_t a2a_ctx(t3d_shm_t *s, t3d_exec_t *ex, void *recvbuf, const size_t *scounts, const size_t *rcounts,
+                         const size_t *rdispls, size_t es) {
+  size_t total = 0;
+  for (int q = 0; q < s->size; q++) total += (scounts[q] + rcounts[q]) * es;
+  a2a_ctx_t c = {s, ex, NULL, recvbuf, rcounts, rdispls, es, 0, a2a_piece(s), 0,
+                 s->nt && total / 2 * (size_t)s->size >= s->nt_min, T3D_OK};
+  return c;
+}
+
+static t3d_result_t a2a_check_self(t3d_exec_t *ex, const size_t *scounts, const size_t *rcounts, size_t es) {
+  int me = ex->rank;
+  if (scounts[me] == rcounts[me]) return T3D_OK;
+  snprintf(ex->error, sizeof ex->error,
+           "t3d: %s #%llu on group '%s' (rank %d of %d): sends %zu bytes to itself but expects %zu", ex->opname,
+           (unsigned long long)ex->seq, ex->comm->name, me, ex->size, scounts[me] * es, rcounts[me] * es);
+  return T3D_ERR_MISMATCH;
+}
+
+/* Steps from `from` on (step 0 is published and collected by the caller when from > 0), then this rank's own
+ * block. */
+static t3d_result_t a2a_steps(a2a_ctx_t *c, size_t from, const char *sb, size_t sbias, const size_t *scounts,
+                              const size_t *sdispls) {
+  t3d_shm_t *s = c->s;
+  int me = s->rank;
+  size_t es = c->es, local_max = a2a_local_max(s->size, me, scounts, es);
+  for (size_t lo = from; lo == 0 || lo < c->gmax; lo += c->piece) {
+    t3d_shm_step_t st;
+    t3d__shm_step_begin(s, 2, &st);
+    T3D_CHECK(a2a_publish(s, c->ex, &st, sb, sbias, scounts, sdispls, es, lo, local_max));
+    c->st = &st;
+    c->lo = lo;
+    T3D_CHECK(a2a_collect(c));
+  }
+  char *own_dst = c->rb + c->rdispls[me] * es;
+  const char *own_src = sb + (sdispls[me] * es - sbias);
+  if (scounts[me] > 0 && own_dst != own_src) memmove(own_dst, own_src, scounts[me] * es);
+  return T3D_OK;
+}
+
+t3d_result_t t3d__shm_alltoallv(t3d_exec_t *ex, const void *sendbuf, const size_t *scounts, const size_t *sdispls,
+                                void *recvbuf, const size_t *rcounts, const size_t *rdispls, size_t es) {
+  t3d_shm_t *s = t3d__exec_shm(ex);
+  T3D_CHECK(a2a_check_self(ex, scounts, rcounts, es));
   /* Incoming blocks may overwrite outgoing ones that later steps still read: then send from a copy. */
   const char *sb;
   size_t sbias;
-  char *rb = recvbuf;
   void *copy;
-  T3D_CHECK(t3d__alltoall_source(n, sendbuf, sbytes, sdispls, recvbuf, rbytes, rdispls, &sb, &sbias, &copy));
-  size_t local_max = 0, total = 0;
-  for (int q = 0; q < n; q++) {
-    total += sbytes[q] + rbytes[q];
-    if (q != me && sbytes[q] > local_max) local_max = sbytes[q];
-  }
-  a2a_ctx_t c = {s, ex, NULL, rb, rbytes, rdispls, 0, s->half / (size_t)n / 64 * 64, local_max,
-                 s->nt && total / 2 * (size_t)n >= s->nt_min, T3D_OK};
-  t3d_result_t res = T3D_OK;
-  for (size_t lo = 0; lo == 0 || lo < c.gmax; lo += c.piece) {
-    t3d_shm_step_t st;
-    t3d__shm_step_begin(s, 2, &st);
-    T3D_CHECK_GOTO(t3d__shm_step_acquire(s, ex, &st), res, out);
-    if (lo == 0) t3d__shm_put_info(s, &st, T3D_OP_ALLTOALLV, 0, local_max);
-    char *half = t3d__shm_half(s, me, st.h);
-    for (int q = 0; q < n; q++) {
-      if (q == me || lo >= sbytes[q]) continue;
-      memcpy(half + (size_t)q * c.piece, sb + (sdispls[q] - sbias) + lo, min_sz(c.piece, sbytes[q] - lo));
-    }
-    t3d__shm_post(s, st.base + 1);
-    c.st = &st;
-    c.lo = lo;
-    T3D_CHECK_GOTO(t3d__shm_wait_each(s, ex, st.base + 1, a2a_from, &c), res, out);
-    T3D_CHECK_GOTO(c.res, res, out);
-    t3d__shm_post(s, st.base + 2);
-  }
-  if (rbytes[me] > 0 && rb + rdispls[me] != sb + (sdispls[me] - sbias))
-    memmove(rb + rdispls[me], sb + (sdispls[me] - sbias), rbytes[me]);
-out:
+  T3D_CHECK(t3d__alltoall_source(s->size, sendbuf, scounts, sdispls, recvbuf, rcounts, rdispls, es, &sb, &sbias,
+                                 &copy));
+  a2a_ctx_t c = a2a_ctx(s, ex, recvbuf, scounts, rcounts, rdispls, es);
+  t3d_result_t res = a2a_steps(&c, 0, sb, sbias, scounts, sdispls);
   free(copy);
   return res;
+}
+
+/* In parts: step 0 published by start, collected (and any further steps run) by finish. The caller made sure that
+ * the receive blocks do not overlap the send blocks, so no copy of the input is needed. */
+int t3d__shm_a2a_fits(t3d_shm_t *s, size_t max_send_block_bytes) {
+  return max_send_block_bytes <= a2a_piece(s) && next_half_free(s);
+}
+
+t3d_result_t t3d__shm_a2a_start(t3d_exec_t *ex, const void *sendbuf, const size_t *scounts, const size_t *sdispls,
+                                size_t es, t3d_shm_resume_t *rs) {
+  t3d_shm_t *s = t3d__exec_shm(ex);
+  t3d_shm_step_t st;
+  t3d__shm_step_begin(s, 2, &st);
+  rs->h = st.h;
+  rs->base = st.base;
+  return a2a_publish(s, ex, &st, sendbuf, 0, scounts, sdispls, es, 0, a2a_local_max(s->size, s->rank, scounts, es));
+}
+
+t3d_result_t t3d__shm_a2a_finish(t3d_exec_t *ex, const t3d_shm_resume_t *rs, const void *sendbuf,
+                                 const size_t *scounts, const size_t *sdispls, void *recvbuf, const size_t *rcounts,
+                                 const size_t *rdispls, size_t es) {
+  t3d_shm_t *s = t3d__exec_shm(ex);
+  t3d_shm_step_t st = {rs->h, rs->base, 0, 1};
+  a2a_ctx_t c = a2a_ctx(s, ex, recvbuf, scounts, rcounts, rdispls, es);
+  c.st = &st;
+  T3D_CHECK(a2a_collect(&c));
+  return a2a_steps(&c, c.piece, sendbuf, 0, scounts, sdispls);
 }
 
 /* ---------- barrier ---------- */

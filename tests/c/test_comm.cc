@@ -291,11 +291,31 @@ TEST(Comm, SmallCollectivesRunInline) {
       std::vector<float> rsin(small * n, static_cast<float>(rank + 1)), rsout(small, -1.0f);
       T3D_EXPECT_OK(a, t3d_reduce_scatter(a, rsin.data(), rsout.data(), small, T3D_FLOAT32, T3D_AVG, nullptr, &qr));
       EXPECT_EQ(t3d_test(qr), T3D_OK) << "a small reduce_scatter on an idle communicator should be done on return";
+      // An alltoall with uneven blocks (rank p sends q a block of p + q + it % 3 elements, some empty at it % 3 = 0
+      // for p = q = 0).
+      t3d_request_t *qa = nullptr;
+      std::vector<size_t> sc(n), sd(n), rc(n), rd(n);
+      for (int q = 0; q < n; ++q) {
+        sc[q] = static_cast<size_t>(rank + q + it % 3);
+        rc[q] = static_cast<size_t>(q + rank + it % 3);
+        sd[q] = q == 0 ? 0 : sd[q - 1] + sc[q - 1];
+        rd[q] = q == 0 ? 0 : rd[q - 1] + rc[q - 1];
+      }
+      std::vector<int32_t> as(sd[n - 1] + sc[n - 1]), ar(rd[n - 1] + rc[n - 1], -1);
+      for (int q = 0; q < n; ++q)
+        for (size_t i = 0; i < sc[q]; ++i) as[sd[q] + i] = 1000 * rank + 100 * q + static_cast<int32_t>(i);
+      T3D_EXPECT_OK(a, t3d_alltoallv(a, as.data(), sc.data(), sd.data(), ar.data(), rc.data(), rd.data(),
+                                     T3D_INT32, nullptr, &qa));
+      EXPECT_EQ(t3d_test(qa), T3D_OK) << "a small alltoall on an idle communicator should be done on return";
       std::string berr;
       EXPECT_EQ(Finish(qb, &berr), T3D_OK) << berr;
       EXPECT_EQ(Finish(qc, &berr), T3D_OK) << berr;
       EXPECT_EQ(Finish(qg, &berr), T3D_OK) << berr;
       EXPECT_EQ(Finish(qr, &berr), T3D_OK) << berr;
+      EXPECT_EQ(Finish(qa, &berr), T3D_OK) << berr;
+      for (int p = 0; p < n; ++p)
+        for (size_t i = 0; i < rc[p]; ++i)
+          ASSERT_EQ(ar[rd[p] + i], 1000 * p + 100 * rank + static_cast<int32_t>(i)) << "iteration " << it;
       ASSERT_EQ(rsout[small - 1], (n + 1) / 2.0f) << "iteration " << it;
       ASSERT_EQ(bc[small - 1], it) << "iteration " << it;
       for (int p = 0; p < n; ++p) ASSERT_EQ(all[p * small + small - 1], p) << "iteration " << it;
