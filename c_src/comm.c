@@ -862,7 +862,7 @@ t3d_result_t t3d_comm_init(t3d_comm_t **out, int rank, int size, const t3d_store
   }
   if (res == T3D_OK && pthread_create(&comm->thread, NULL, progress_main, comm) != 0) {
     res = t3d__set_error(comm, T3D_ERR_SYSTEM, "t3d_comm_init: cannot start the progress thread on rank %d", rank);
-    t3d__nccl_free(comm->nccl);
+    t3d__nccl_free(comm->nccl, 0);
     t3d__shm_fini(comm->shm);
     comm->tp->fini(comm->tp_state);
   }
@@ -888,7 +888,7 @@ t3d_result_t t3d_comm_destroy(t3d_comm_t *comm) {
     pthread_mutex_unlock(&comm->mu);
     pthread_join(comm->thread, NULL);
   }
-  t3d__nccl_free(comm->nccl);
+  t3d__nccl_free(comm->nccl, comm->timeout_ms);
   t3d__shm_fini(comm->shm);
   comm->tp->fini(comm->tp_state);
   comm_free(comm);

@@ -74,6 +74,7 @@ typedef struct t3d_nccl_api {
   t3d_nccl_result_t (*GetUniqueId)(t3d_nccl_unique_id_t *id);
   t3d_nccl_result_t (*CommInitRankConfig)(t3d_nccl_comm_t *comm, int nranks, t3d_nccl_unique_id_t id, int rank,
                                           t3d_nccl_config_t *config);
+  t3d_nccl_result_t (*CommFinalize)(t3d_nccl_comm_t comm);
   t3d_nccl_result_t (*CommDestroy)(t3d_nccl_comm_t comm);
   t3d_nccl_result_t (*CommAbort)(t3d_nccl_comm_t comm);
   t3d_nccl_result_t (*CommGetAsyncError)(t3d_nccl_comm_t comm, t3d_nccl_result_t *err);

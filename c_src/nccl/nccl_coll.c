@@ -48,12 +48,26 @@ static int all_comms(t3d_nccl_t *st, t3d_nccl_comm_t *out, int cap) {
   return n;
 }
 
+/* Ends one communicator as NCCL asks: finalize (flushes its work; the state reads IN_PROGRESS until every rank is
+ * quiescent), then destroy, which then frees without blocking. One that does not settle in time is aborted. */
+static void end_comm(const t3d_nccl_api_t *api, t3d_nccl_comm_t nc, int abort, uint64_t deadline_ns) {
+  t3d_nccl_result_t r = abort ? T3D_NCCL_INTERNAL_ERROR : api->CommFinalize(nc);
+  t3d_backoff_t b = {0};
+  while (r == T3D_NCCL_IN_PROGRESS && t3d__now_ns() < deadline_ns) {
+    t3d__backoff_wait(&b);
+    if (api->CommGetAsyncError(nc, &r) != T3D_NCCL_SUCCESS) r = T3D_NCCL_INTERNAL_ERROR;
+  }
+  if (r == T3D_NCCL_SUCCESS) api->CommDestroy(nc);
+  else api->CommAbort(nc);
+}
+
 /* Ends every NCCL communicator (abort: without waiting for their work) and forgets them. Holds st->mu. */
-static void end_comms(t3d_nccl_t *st, int abort) {
+static void end_comms(t3d_nccl_t *st, int abort, int64_t timeout_ms) {
   const t3d_nccl_api_t *api = t3d__nccl_api(NULL);
+  uint64_t deadline = t3d__now_ns() + (uint64_t)(timeout_ms > 0 ? timeout_ms : 0) * 1000000ull;
   if (api != NULL) {
-    if (st->world != NULL) (abort ? api->CommAbort : api->CommDestroy)(st->world);
-    for (int i = 0; i < st->npairs; i++) (abort ? api->CommAbort : api->CommDestroy)(st->pairs[i].comm);
+    if (st->world != NULL) end_comm(api, st->world, abort, deadline);
+    for (int i = 0; i < st->npairs; i++) end_comm(api, st->pairs[i].comm, abort, deadline);
   }
   st->world = NULL;
   free(st->pairs);
@@ -65,15 +79,15 @@ void t3d__nccl_abort(t3d_nccl_t *st) {
   if (st == NULL) return;
   pthread_mutex_lock(&st->mu);
   st->broken = T3D_ERR_ABORTED;
-  end_comms(st, 1);
+  end_comms(st, 1, 0);
   pthread_mutex_unlock(&st->mu);
 }
 
-void t3d__nccl_free(t3d_nccl_t *st) {
+void t3d__nccl_free(t3d_nccl_t *st, int64_t timeout_ms) {
   if (st == NULL) return;
   pthread_mutex_lock(&st->mu);
-  /* Destroying a communicator whose peers are gone or whose work failed can wait forever: abort those. */
-  end_comms(st, st->broken != T3D_OK);
+  /* Finalizing a communicator whose peers are gone or whose work failed can wait forever: abort those. */
+  end_comms(st, st->broken != T3D_OK, timeout_ms);
   pthread_mutex_unlock(&st->mu);
   pthread_mutex_destroy(&st->mu);
   free(st);

@@ -11,8 +11,9 @@ const t3d_nccl_api_t *t3d__nccl_api(const char **error);
 /* A communicator's NCCL side: made with the communicator (it loads nothing), its NCCL communicators created at the
  * first call that needs them. */
 t3d_result_t t3d__nccl_new(t3d_nccl_t **out);
-/* Destroys the NCCL communicators (aborts them when broken) and frees the state. NULL is fine. */
-void t3d__nccl_free(t3d_nccl_t *st);
+/* Finalizes and destroys the NCCL communicators (aborts them when broken, or when finalizing takes longer than
+ * timeout_ms) and frees the state. NULL is fine. */
+void t3d__nccl_free(t3d_nccl_t *st, int64_t timeout_ms);
 /* Any thread: aborts every NCCL communicator; later calls fail with T3D_ERR_ABORTED. */
 void t3d__nccl_abort(t3d_nccl_t *st);
 /* Enqueues CUDA requests on the caller's thread and completes each of them. grouped: one NCCL group on the whole

@@ -36,7 +36,7 @@ static void load(void) {
   }
   int ok = resolve(lib, "ncclGetVersion", &api.GetVersion) && resolve(lib, "ncclGetUniqueId", &api.GetUniqueId) &&
            resolve(lib, "ncclCommInitRankConfig", &api.CommInitRankConfig) &&
-           resolve(lib, "ncclCommDestroy", &api.CommDestroy) && resolve(lib, "ncclCommAbort", &api.CommAbort) &&
+           resolve(lib, "ncclCommFinalize", &api.CommFinalize) && resolve(lib, "ncclCommDestroy", &api.CommDestroy) && resolve(lib, "ncclCommAbort", &api.CommAbort) &&
            resolve(lib, "ncclCommGetAsyncError", &api.CommGetAsyncError) &&
            resolve(lib, "ncclGetErrorString", &api.GetErrorString) &&
            resolve(lib, "ncclGetLastError", &api.GetLastError) &&
