@@ -376,7 +376,15 @@ t3d_result_t t3d_group_end(t3d_comm_t *comm, t3d_request_t **req) {
   atomic_init(&g->pending_children, n + 1);
   if (ncuda > 0) t3d__nccl_run(comm, cuda, ncuda, 1);
   free(cuda);
-  enqueue(comm, g);
+  if (g->children != NULL) {
+    enqueue(comm, g);
+  } else if (atomic_fetch_sub(&g->pending_children, 1) == 1) {
+    /* Nothing for the engine: NCCL has enqueued every operation, so the group is complete now. */
+    char *msg = g->errmsg;
+    g->errmsg = NULL;
+    complete(g, g->first_child_error, msg);
+    free(msg);
+  }
   if (req != NULL) *req = g;
   else t3d__request_release(g);
   return T3D_OK;

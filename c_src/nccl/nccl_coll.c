@@ -136,6 +136,29 @@ static t3d_result_t settle(run_t *rn, t3d_nccl_comm_t nc, t3d_nccl_result_t r, c
               last ? last : "");
 }
 
+/* Waits for rank 0's unique id in the store, in short slices: the caller holds st->mu, which t3d_comm_abort needs,
+ * so the wait must notice an abort, and it ends at the operation's deadline. */
+static t3d_result_t get_id(run_t *rn, const char *key, void **v, size_t *len) {
+  t3d_comm_t *comm = rn->comm;
+  char full[512];
+  snprintf(full, sizeof full, "%s/%s", comm->prefix, key);
+  for (;;) {
+    uint64_t now = t3d__now_ns();
+    int64_t left_ms = now < rn->deadline_ns ? (int64_t)((rn->deadline_ns - now) / 1000000ull) : 0;
+    t3d_result_t r = comm->store.get(comm->store.ctx, full, v, len, left_ms < 100 ? left_ms : 100);
+    if (r != T3D_ERR_TIMEOUT) {
+      if (r == T3D_OK) return T3D_OK;
+      return fail(rn, r, "reading NCCL's unique id from the store key '%s' failed: %s", full, t3d_result_string(r));
+    }
+    if (atomic_load(&comm->aborted)) return fail(rn, T3D_ERR_ABORTED, "the group was aborted while waiting for rank "
+                                                 "0's NCCL unique id");
+    if (left_ms <= 0) {
+      return fail(rn, T3D_ERR_TIMEOUT, "rank 0 did not publish NCCL's unique id under store key '%s' within %lld "
+                  "ms (did every rank make this call?)", full, (long long)rn->req->timeout_ms);
+    }
+  }
+}
+
 /* Creates an NCCL communicator of nranks: rank 0 makes the unique id and puts it in the store under key. */
 static t3d_result_t make_comm(run_t *rn, const char *key, int nranks, int rank, t3d_nccl_comm_t *out) {
   const t3d_nccl_api_t *api = rn->api;
@@ -147,7 +170,7 @@ static t3d_result_t make_comm(run_t *rn, const char *key, int nranks, int rank, 
   } else {
     void *v = NULL;
     size_t len = 0;
-    T3D_CHECK(t3d__store_get(rn->comm, key, &v, &len));
+    T3D_CHECK(get_id(rn, key, &v, &len));
     if (len != sizeof id) {
       free(v);
       return fail(rn, T3D_ERR_MISMATCH, "store key '%s' holds %zu bytes, not an NCCL unique id", key, len);
@@ -432,6 +455,10 @@ static t3d_result_t run_locked(run_t *rn, t3d_request_t **reqs, int n, int group
       return fail(rn, T3D_ERR_UNSUPPORTED, "a %s to itself outside a group (NCCL would wait for the other half)",
                   r->kind == T3D_OP_SEND ? "send" : "receive");
     }
+    /* What NCCL cannot reduce is refused before any NCCL communicator is made for it. */
+    reduction_t red;
+    if (r->kind == T3D_OP_ALLREDUCE || r->kind == T3D_OP_REDUCE || r->kind == T3D_OP_REDUCE_SCATTERV)
+      T3D_CHECK(reduction(rn, r, &red));
   }
   rn->req = reqs[0];
   if (st->device < 0) st->device = reqs[0]->device;
