@@ -49,8 +49,9 @@ void CommHandle::destroy() {
   state = kDead;
 }
 
-WorkT3D::WorkT3D(std::shared_ptr<CommHandle> comm, int rank, c10d::OpType type, const char* opName,
-                 std::string group, uint64_t seq, int64_t timeoutMs, std::vector<at::Tensor> outputs)
+WorkT3DBase::WorkT3DBase(std::shared_ptr<CommHandle> comm, int rank, c10d::OpType type, const char* opName,
+                         std::string group, uint64_t seq, int64_t timeoutMs, std::vector<at::Tensor> outputs,
+                         c10::optional<c10::Device> device)
     // The base class opens a profiler range when given a title; without a profiler attached it would still allocate
     // one per call, so the title is passed only when someone listens.
     : Work(rank, type, at::hasCallbacks() ? (std::string("t3d:") + opName).c_str() : nullptr),
@@ -59,13 +60,24 @@ WorkT3D::WorkT3D(std::shared_ptr<CommHandle> comm, int rank, c10d::OpType type, 
       group_(std::move(group)),
       seq_(seq),
       timeoutMs_(timeoutMs),
-      outputs_(std::move(outputs)) {
+      outputs_(std::move(outputs)),
+      device_(device) {
 }
 
-std::string WorkT3D::describe() const {
+std::string WorkT3DBase::describe() const {
   std::ostringstream os;
   os << opName_ << " #" << seq_ << " on rank " << rank_ << " of group '" << group_ << "'";
+  if (device_) os << " (" << *device_ << ")";
   return os.str();
+}
+
+void WorkT3DBase::abort() {
+  if (comm_) comm_->abort();
+}
+
+WorkT3D::WorkT3D(std::shared_ptr<CommHandle> comm, int rank, c10d::OpType type, const char* opName,
+                 std::string group, uint64_t seq, int64_t timeoutMs, std::vector<at::Tensor> outputs)
+    : WorkT3DBase(std::move(comm), rank, type, opName, std::move(group), seq, timeoutMs, std::move(outputs)) {
 }
 
 WorkT3D::~WorkT3D() {
@@ -218,10 +230,6 @@ int WorkT3D::sourceRank() const {
   return sourceRank_;
 }
 
-std::vector<at::Tensor> WorkT3D::result() {
-  return outputs_;
-}
-
 bool WorkT3D::wait(std::chrono::milliseconds timeout) {
   int64_t ms = timeout == kNoTimeout ? timeoutMs_ + kWaitGraceMs : timeout.count();
   // Poll as t3d's own waits do (spin, yield, then block): a small collective completes in microseconds, and waking
@@ -239,10 +247,6 @@ bool WorkT3D::wait(std::chrono::milliseconds timeout) {
   }
   if (exception_) std::rethrow_exception(exception_);
   return true;
-}
-
-void WorkT3D::abort() {
-  if (comm_) comm_->abort();
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> WorkT3D::getFuture() {
@@ -281,27 +285,14 @@ bool blockingWait() {
 WorkT3DDevice::WorkT3DDevice(std::shared_ptr<CommHandle> comm, int rank, c10d::OpType type, const char* opName,
                              std::string group, uint64_t seq, int64_t timeoutMs, std::vector<at::Tensor> outputs,
                              c10::Device device)
-    : Work(rank, type, at::hasCallbacks() ? (std::string("t3d:") + opName).c_str() : nullptr),
-      comm_(std::move(comm)),
-      opName_(opName),
-      group_(std::move(group)),
-      seq_(seq),
-      timeoutMs_(timeoutMs),
-      outputs_(std::move(outputs)),
-      device_(device),
+    : WorkT3DBase(std::move(comm), rank, type, opName, std::move(group), seq, timeoutMs, std::move(outputs), device),
       done_(device.type()) {
-}
-
-std::string WorkT3DDevice::describe() const {
-  std::ostringstream os;
-  os << opName_ << " #" << seq_ << " on rank " << rank_ << " of group '" << group_ << "' (" << device_ << ")";
-  return os.str();
 }
 
 void WorkT3DDevice::markEnqueued(const c10::Stream& stream) {
   done_.record(stream);
   // The future's value is ready in the order of this stream: consumers wait for it there (what NCCL's works do).
-  auto future = c10::make_intrusive<c10::ivalue::Future>(tensorListType(), std::vector<c10::Device>{device_});
+  auto future = c10::make_intrusive<c10::ivalue::Future>(tensorListType(), std::vector<c10::Device>{device()});
   {
     c10::StreamGuard guard(stream);
     future->markCompleted(c10::IValue(outputs_));
@@ -345,8 +336,8 @@ std::exception_ptr WorkT3DDevice::exception() const {
 
 void WorkT3DDevice::synchronize() {
   checkEnqueued("synchronize()");
-  c10::impl::VirtualGuardImpl impl(device_.type());
-  done_.block(impl.getStream(device_));
+  c10::impl::VirtualGuardImpl impl(device().type());
+  done_.block(impl.getStream(device()));
 }
 
 bool WorkT3DDevice::wait(std::chrono::milliseconds timeout) {
@@ -370,10 +361,6 @@ bool WorkT3DDevice::wait(std::chrono::milliseconds timeout) {
   }
   if (std::exception_ptr e = commError()) std::rethrow_exception(e);
   return true;
-}
-
-void WorkT3DDevice::abort() {
-  if (comm_) comm_->abort();
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> WorkT3DDevice::getFuture() {

@@ -38,7 +38,37 @@ struct CommHandle {
   void destroy();
 };
 
-class WorkT3D : public c10d::Work {
+// What every t3d work has: its communicator, its name in messages, its outputs and its sequence number.
+class WorkT3DBase : public c10d::Work {
+ public:
+  const std::vector<at::Tensor>& outputs() const {
+    return outputs_;
+  }
+  // "allreduce #12 on rank 3 of group '0'" (and the device, for CUDA), built when a message needs it.
+  std::string describe() const;
+  std::vector<at::Tensor> result() override {
+    return outputs_;
+  }
+  void abort() override;
+  uint64_t getSequencenumber() const override {
+    return seq_;
+  }
+
+ protected:
+  WorkT3DBase(std::shared_ptr<CommHandle> comm, int rank, c10d::OpType type, const char* opName, std::string group,
+              uint64_t seq, int64_t timeoutMs, std::vector<at::Tensor> outputs,
+              c10::optional<c10::Device> device = c10::nullopt);
+
+  std::shared_ptr<CommHandle> comm_;
+  const char* opName_;  // a string literal
+  std::string group_;
+  uint64_t seq_;
+  int64_t timeoutMs_;
+  std::vector<at::Tensor> outputs_;
+  c10::optional<c10::Device> device_;
+};
+
+class WorkT3D : public WorkT3DBase {
  public:
   WorkT3D(std::shared_ptr<CommHandle> comm, int rank, c10d::OpType type, const char* opName, std::string group,
           uint64_t seq, int64_t timeoutMs, std::vector<at::Tensor> outputs);
@@ -64,24 +94,14 @@ class WorkT3D : public c10d::Work {
   t3d_request_t* request() const {
     return req_;
   }
-  const std::vector<at::Tensor>& outputs() const {
-    return outputs_;
-  }
-  // "allreduce #12 on rank 3 of group '0'", built when a message needs it (not on every call).
-  std::string describe() const;
 
   bool isCompleted() override;
   bool isSuccess() const override;
   std::exception_ptr exception() const override;
   int sourceRank() const override;
-  std::vector<at::Tensor> result() override;
   void synchronize() override {}
   bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
-  void abort() override;
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
-  uint64_t getSequencenumber() const override {
-    return seq_;
-  }
 
  private:
   static void onRequestDone(void* arg, t3d_result_t res);
@@ -92,13 +112,7 @@ class WorkT3D : public c10d::Work {
   void markFuture();
   std::exception_ptr makeError(t3d_result_t res, const char* detail) const;
 
-  std::shared_ptr<CommHandle> comm_;
   t3d_request_t* req_ = nullptr;
-  const char* opName_;  // a string literal
-  std::string group_;
-  uint64_t seq_;
-  int64_t timeoutMs_;
-  std::vector<at::Tensor> outputs_;
   std::vector<at::Tensor> keep_;
   std::function<void(t3d_request_t*)> post_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;  // made by the first getFuture(); guarded by Work::mutex_
@@ -118,7 +132,7 @@ class WorkT3D : public c10d::Work {
 // the operation and its copy-back steps. As with NCCL's works, wait() makes the caller's current stream wait for
 // that event and returns at once; with T3D_CUDA_BLOCKING_WAIT=1 it blocks the calling thread until the event has
 // passed, up to the operation's timeout, and aborts the group when that runs out.
-class WorkT3DDevice : public c10d::Work {
+class WorkT3DDevice : public WorkT3DBase {
  public:
   WorkT3DDevice(std::shared_ptr<CommHandle> comm, int rank, c10d::OpType type, const char* opName, std::string group,
                 uint64_t seq, int64_t timeoutMs, std::vector<at::Tensor> outputs, c10::Device device);
@@ -126,36 +140,22 @@ class WorkT3DDevice : public c10d::Work {
   // Once everything the work covers is enqueued on `stream`: records the completion event there, and completes the
   // future in stream order. Until then (inside a coalescing block) the work cannot be waited on.
   void markEnqueued(const c10::Stream& stream);
-  const std::vector<at::Tensor>& outputs() const {
-    return outputs_;
-  }
-  std::string describe() const;
 
   bool isCompleted() override;
   bool isSuccess() const override;
   std::exception_ptr exception() const override;
-  std::vector<at::Tensor> result() override {
-    return outputs_;
-  }
   void synchronize() override;
   bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
-  void abort() override;
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
-  uint64_t getSequencenumber() const override {
-    return seq_;
-  }
 
  private:
   void checkEnqueued(const char* what) const;
   std::exception_ptr commError() const;
 
-  std::shared_ptr<CommHandle> comm_;
-  const char* opName_;  // a string literal
-  std::string group_;
-  uint64_t seq_;
-  int64_t timeoutMs_;
-  std::vector<at::Tensor> outputs_;
-  c10::Device device_;
+  c10::Device device() const {
+    return *device_;
+  }
+
   c10::Event done_;
   std::atomic<bool> enqueued_{false};
   c10::intrusive_ptr<c10::ivalue::Future> future_;  // set by markEnqueued
