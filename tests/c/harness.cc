@@ -396,4 +396,42 @@ bool RunOk(t3d_comm_t *comm, const std::string &what, const IssueFn &issue) {
   return false;
 }
 
+// ---------- uneven layouts ----------
+
+size_t VCount(size_t base, int from, int to) {
+  const size_t k = static_cast<size_t>(from + 2 * to) % 4;
+  return k == 3 ? 0 : base + k;
+}
+
+size_t AllgathervLayout(int n, size_t base, std::vector<size_t> *counts, std::vector<size_t> *displs) {
+  counts->assign(static_cast<size_t>(n), 0);
+  displs->assign(static_cast<size_t>(n), 0);
+  for (int r = 0; r < n; ++r) (*counts)[r] = (r % 3 == 1) ? 0 : base + 2 * static_cast<size_t>(r);
+  size_t at = 0;
+  for (int r = n - 1; r >= 0; --r) {
+    (*displs)[r] = at;
+    at += (*counts)[r] + 1;
+  }
+  return at;
+}
+
+A2aLayout AlltoallvLayout(int n, int rank, size_t base) {
+  A2aLayout l;
+  l.sc.resize(n);
+  l.sd.resize(n);
+  l.rc.resize(n);
+  l.rd.resize(n);
+  for (int p = 0; p < n; ++p) {
+    l.sc[p] = VCount(base, rank, p);
+    l.sd[p] = l.s_total;
+    l.s_total += l.sc[p] + 1;
+  }
+  for (int p = n - 1; p >= 0; --p) {
+    l.rc[p] = VCount(base, p, rank);
+    l.rd[p] = l.r_total;
+    l.r_total += l.rc[p] + 1;
+  }
+  return l;
+}
+
 }  // namespace t3dtest

@@ -62,6 +62,21 @@ class FileStore {
   t3d_store_t store_;
 };
 
+// ---------- uneven layouts ----------
+
+// Elements rank `from` sends to rank `to` in the alltoallv tests: uneven, and zero for a quarter of the pairs.
+size_t VCount(size_t base, int from, int to);
+// An allgatherv's blocks: rank r contributes 0 elements when r % 3 == 1, else base + 2r; the blocks lie in reverse
+// rank order with a one-element gap after each. Returns the elements the receive buffer spans.
+size_t AllgathervLayout(int n, size_t base, std::vector<size_t> *counts, std::vector<size_t> *displs);
+// An alltoallv seen from `rank`: it sends VCount(base, rank, p) elements to p (send blocks in rank order) and
+// receives VCount(base, p, rank) from p (receive blocks in reverse rank order), a one-element gap after each block.
+struct A2aLayout {
+  std::vector<size_t> sc, sd, rc, rd;
+  size_t s_total = 0, r_total = 0;  // elements the send and receive buffers span
+};
+A2aLayout AlltoallvLayout(int n, int rank, size_t base);
+
 // ---------- ranks as threads ----------
 
 struct RunOptions {

@@ -449,14 +449,8 @@ TEST_P(NcclWorld, AllgatherAndAllgatherv) {
       for (size_t base : MoveCounts(dt)) {
         STOP_IF_FAILED();
         if (base == kBig) base = kBig / static_cast<size_t>(n);
-        // Uneven with zeros, blocks in reverse rank order with a one-element gap after each.
-        std::vector<size_t> counts(static_cast<size_t>(n)), displs(static_cast<size_t>(n));
-        for (int r = 0; r < n; ++r) counts[r] = (r % 3 == 1) ? 0 : base + 2 * static_cast<size_t>(r);
-        size_t at = 0;
-        for (int r = n - 1; r >= 0; --r) {
-          displs[r] = at;
-          at += counts[r] + 1;
-        }
+        std::vector<size_t> counts, displs;
+        const size_t at = AllgathervLayout(n, base, &counts, &displs);
         const std::string what = "allgatherv " + std::string(t3d_dtype_name(dt)) + " base=" + std::to_string(base);
         Buf in = Bytes(dt, counts[rank]), out = Bytes(dt, at), oracle = Bytes(dt, at);
         FillPattern(dt, rank, in.data(), counts[rank]);
@@ -551,11 +545,6 @@ TEST_P(NcclWorld, GatherScatterEveryRoot) {
   });
 }
 
-size_t VCount(size_t base, int from, int to) {
-  const size_t k = static_cast<size_t>(from + 2 * to) % 4;
-  return k == 3 ? 0 : base + k;
-}
-
 TEST_P(NcclWorld, AlltoallAndAlltoallv) {
   const int n = GetParam();
   RunRanks(n, [&](int rank, t3d_comm_t *comm) {
@@ -582,18 +571,9 @@ TEST_P(NcclWorld, AlltoallAndAlltoallv) {
       for (size_t base : MoveCounts(dt)) {
         STOP_IF_FAILED();
         if (base == kBig) base = kBig / static_cast<size_t>(n);
-        std::vector<size_t> sc(n), sd(n), rc(n), rd(n);
-        size_t s_at = 0, r_at = 0;
-        for (int p = 0; p < n; ++p) {
-          sc[p] = VCount(base, rank, p);
-          sd[p] = s_at;
-          s_at += sc[p] + 1;
-        }
-        for (int p = n - 1; p >= 0; --p) {
-          rc[p] = VCount(base, p, rank);
-          rd[p] = r_at;
-          r_at += rc[p] + 1;
-        }
+        const A2aLayout lay = AlltoallvLayout(n, rank, base);
+        const std::vector<size_t> &sc = lay.sc, &sd = lay.sd, &rc = lay.rc, &rd = lay.rd;
+        const size_t s_at = lay.s_total, r_at = lay.r_total;
         const std::string what = "alltoallv " + std::string(t3d_dtype_name(dt)) + " base=" + std::to_string(base);
         Buf in = Bytes(dt, s_at), out = Bytes(dt, r_at), oracle = Bytes(dt, r_at);
         for (int p = 0; p < n; ++p) FillPattern(dt, rank, in.data() + sd[p] * es, sc[p], p * 100000, 5);

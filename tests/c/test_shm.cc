@@ -296,11 +296,6 @@ TEST_P(Shm, Allgatherv) {
   });
 }
 
-size_t VCount(size_t base, int from, int to) {
-  const size_t k = static_cast<size_t>(from + 2 * to) % 4;
-  return k == 3 ? 0 : base + k;
-}
-
 TEST_P(Shm, Alltoallv) {
   const int n = GetParam().n;
   RunRanks(n, [&](int rank, t3d_comm_t *comm) {
@@ -309,18 +304,9 @@ TEST_P(Shm, Alltoallv) {
       for (size_t base : Sizes(dt, true)) {
         STOP_IF_FAILED();
         if (base > 4097) base /= static_cast<size_t>(n);
-        std::vector<size_t> sc(n), sd(n), rc(n), rd(n);
-        size_t s_at = 0, r_at = 0;
-        for (int p = 0; p < n; ++p) {
-          sc[p] = VCount(base, rank, p);
-          sd[p] = s_at;
-          s_at += sc[p] + 1;
-        }
-        for (int p = n - 1; p >= 0; --p) {
-          rc[p] = VCount(base, p, rank);
-          rd[p] = r_at;
-          r_at += rc[p] + 1;
-        }
+        const A2aLayout lay = AlltoallvLayout(n, rank, base);
+        const std::vector<size_t> &sc = lay.sc, &sd = lay.sd, &rc = lay.rc, &rd = lay.rd;
+        const size_t s_at = lay.s_total, r_at = lay.r_total;
         const std::string what = "alltoallv " + std::string(t3d_dtype_name(dt)) + " base " + std::to_string(base);
         Buf in = Bytes(dt, s_at), out = Bytes(dt, r_at), expect = Bytes(dt, r_at);
         for (int p = 0; p < n; ++p) FillPattern(dt, rank, in.data() + sd[p] * es, sc[p], p * 100000, 5);
