@@ -1,4 +1,5 @@
-// nativeCudaStream: built with c10/cuda when the torch it is built against has CUDA (T3D_SHIM_CUDA), else a stub.
+// nativeCudaStream: built with c10/cuda when the torch it is built against has CUDA (T3D_SHIM_CUDA); otherwise it
+// raises an error that says this build has no CUDA support.
 #include "device_stream.hpp"
 
 #include <c10/util/Exception.h>
