@@ -178,7 +178,8 @@ ProcessGroupT3D::DeviceStreams& ProcessGroupT3D::deviceStreams(const OpCtx& c) {
   if (!streams_) {
     c10::impl::VirtualGuardImpl impl(d.type());
     c10::DeviceGuard guard(d);
-    streams_ = std::make_unique<DeviceStreams>(DeviceStreams{d, impl.getStreamFromGlobalPool(d, false)});
+    streams_ = std::make_unique<DeviceStreams>(
+        DeviceStreams{d, impl.getStreamFromGlobalPool(d, false), c10::Event(d.type())});
   }
   TORCH_CHECK(streams_->device == d, "t3d: ", c.op, " on rank ", rank_, " of group '", groupName_, "': tensors on ",
               d, ", but this group already runs on ", streams_->device,
@@ -196,9 +197,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::runDevice(c10d::OpType type, con
   c10::DeviceGuard guard(ds.device);
   c10::impl::VirtualGuardImpl impl(ds.device.type());
   // The group's stream starts after everything the caller has queued so far: the inputs and the staging copies.
-  c10::Event ready(ds.device.type());
-  ready.record(impl.getStream(ds.device));
-  ready.block(ds.comm);
+  ds.ready.record(impl.getStream(ds.device));
+  ds.ready.block(ds.comm);
   o.memtype = T3D_MEM_CUDA;
   o.device = ds.device.index();
   o.stream = nativeCudaStream(ds.comm);

@@ -127,6 +127,7 @@ class ProcessGroupT3D : public c10d::Backend {
   struct DeviceStreams {
     c10::Device device;
     c10::Stream comm;
+    c10::Event ready;  // re-recorded by every call: the caller's stream up to the call
   };
   // A CUDA operation enqueued by NCCL (or, inside a coalescing block, to be enqueued at its end), with what must
   // follow on the group's stream: copy-back steps, the allocator's stream bookkeeping, the completion event.
