@@ -40,12 +40,11 @@ t3d_result_t t3d__nccl_new(t3d_nccl_t **out) {
   return T3D_OK;
 }
 
-/* Every NCCL communicator of st, for teardown and error polls. */
-static int all_comms(t3d_nccl_t *st, t3d_nccl_comm_t *out, int cap) {
-  int n = 0;
-  if (st->world != NULL && n < cap) out[n++] = st->world;
-  for (int i = 0; i < st->npairs && n < cap; i++) out[n++] = st->pairs[i].comm;
-  return n;
+/* The NCCL communicators of st (the whole group's, then the pairs'), for teardown and error polls. */
+static int comm_count(const t3d_nccl_t *st) { return (st->world != NULL) + st->npairs; }
+static t3d_nccl_comm_t comm_at(const t3d_nccl_t *st, int i) {
+  if (st->world != NULL && i-- == 0) return st->world;
+  return st->pairs[i].comm;
 }
 
 /* Ends one communicator as NCCL asks: finalize (flushes its work; the state reads IN_PROGRESS until every rank is
@@ -66,8 +65,7 @@ static void end_comms(t3d_nccl_t *st, int abort, int64_t timeout_ms) {
   const t3d_nccl_api_t *api = t3d__nccl_api(NULL);
   uint64_t deadline = t3d__now_ns() + (uint64_t)(timeout_ms > 0 ? timeout_ms : 0) * 1000000ull;
   if (api != NULL) {
-    if (st->world != NULL) end_comm(api, st->world, abort, deadline);
-    for (int i = 0; i < st->npairs; i++) end_comm(api, st->pairs[i].comm, abort, deadline);
+    for (int i = 0; i < comm_count(st); i++) end_comm(api, comm_at(st, i), abort, deadline);
   }
   st->world = NULL;
   free(st->pairs);
@@ -512,14 +510,13 @@ void t3d__nccl_poll_errors(t3d_comm_t *comm) {
   const t3d_nccl_api_t *api = t3d__nccl_api(NULL);
   /* Only when a run is not under way: this is a health check, never a reason to wait. */
   if (st == NULL || api == NULL || pthread_mutex_trylock(&st->mu) != 0) return;
-  t3d_nccl_comm_t all[64];
-  int n = all_comms(st, all, 64);
-  for (int i = 0; i < n && st->broken == T3D_OK; i++) {
+  for (int i = 0; i < comm_count(st) && st->broken == T3D_OK; i++) {
+    t3d_nccl_comm_t nc = comm_at(st, i);
     t3d_nccl_result_t e = T3D_NCCL_SUCCESS;
-    if (api->CommGetAsyncError(all[i], &e) != T3D_NCCL_SUCCESS || e == T3D_NCCL_SUCCESS || e == T3D_NCCL_IN_PROGRESS)
+    if (api->CommGetAsyncError(nc, &e) != T3D_NCCL_SUCCESS || e == T3D_NCCL_SUCCESS || e == T3D_NCCL_IN_PROGRESS)
       continue;
     st->broken = from_nccl(e) == T3D_ERR_PEER_LOST ? T3D_ERR_PEER_LOST : T3D_ERR_TRANSPORT;
-    const char *last = api->GetLastError(all[i]);
+    const char *last = api->GetLastError(nc);
     char msg[700];
     snprintf(msg, sizeof msg, "t3d: group '%s' rank %d: NCCL reported an asynchronous error on CUDA device %d: %s%s%s",
              comm->name, comm->rank, st->device, api->GetErrorString(e), last && last[0] ? ": " : "",
