@@ -40,3 +40,39 @@ def test_bench_runs_t3d_and_gloo_side_by_side(tmp_path):
     md = (tmp_path / "smoke.md").read_text()
     assert "t3d % of bound" in md and "t3d - floor (us)" in md and "| ok |" in md and "WRONG" not in md
     assert (tmp_path / "smoke.png").stat().st_size > 0
+
+
+class _Peers:
+    """A stand-in for torch.distributed as seen by one rank of 2: all_reduce adds the other rank's 2.0, broadcast
+    delivers the root's 7.0; calls are counted, and `broken` makes every op a no-op."""
+
+    class group:
+        WORLD = object()
+
+    def __init__(self, broken=False):
+        self.broken, self.calls = broken, 0
+
+    def all_reduce(self, x, group=None):
+        self.calls += 1
+        if not self.broken:
+            x.add_(2.0)
+
+    def broadcast(self, x, src=0):
+        self.calls += 1
+        if not self.broken:
+            x.fill_(7.0)
+
+
+@pytest.mark.parametrize("op,rank", [("all_reduce", 0), ("broadcast", 1)])
+def test_timed_call_only_communicates_and_the_check_catches_a_broken_op(op, rank):
+    import torch
+
+    peers = _Peers()
+    run, check, size = bc._make_op(op, 64, rank, 2, peers, torch)
+    assert size == 64
+    assert check(), "a correct op must pass its check"
+    calls = peers.calls
+    run()
+    assert peers.calls == calls + 1, "the timed callable is one call of the op, nothing else"
+    _, broken_check, _ = bc._make_op(op, 64, rank, 2, _Peers(broken=True), torch)
+    assert not broken_check(), f"a {op} that does nothing must fail the check"

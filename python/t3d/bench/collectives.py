@@ -62,44 +62,77 @@ def iters_for(nbytes: int) -> tuple[int, int]:
 # ---------------------------------------------------------------- one rank, torch.distributed backends
 
 def _make_op(op: str, nbytes: int, rank: int, n: int, dist, torch, group=None):
-    """Buffers, a callable that runs the op once, and a checker of the last result. `group` (all_reduce only, for
-    the dispatch floor): run on that group instead of the world."""
+    """Buffers, a callable that runs the op once, a check, and the message size S in bytes. `group` (all_reduce
+    only, for the dispatch floor): run on that group instead of the world.
+
+    As in nccl-tests, the timed callable only communicates: it does not re-initialise its buffers (the fill would
+    be timed too, and at 8 ranks on 2 cores filling 16 MiB costs a quarter of the all_reduce). The check sets known
+    inputs, runs the op once more, compares every element with the value it must have, and leaves the buffers as
+    the timed loop expects them (all_reduce: zeros, so that repeating it in place never overflows)."""
     count = max(1, nbytes // 4)
     if op == "all_reduce":
-        x = torch.full((count,), float(rank + 1))
-        expect = n * (n + 1) / 2
+        x = torch.zeros(count)
         group = dist.group.WORLD if group is None else group  # passed explicitly either way: the same call
 
-        def run():
+        def check():
             x.fill_(float(rank + 1))
             dist.all_reduce(x, group=group)
-        return run, lambda: bool(torch.all(x == expect)), count * 4
+            ok = bool(torch.all(x == n * (n + 1) / 2))
+            x.zero_()
+            return ok
+        return (lambda: dist.all_reduce(x, group=group)), check, count * 4
     if op == "all_gather":
         per = max(1, count // n)
         x = torch.full((per,), float(rank))
         out = torch.empty(per * n)
         expect = torch.arange(n, dtype=torch.float32).repeat_interleave(per)
-        return (lambda: dist.all_gather_into_tensor(out, x)), (lambda: bool(torch.equal(out, expect))), per * n * 4
+
+        def run():
+            dist.all_gather_into_tensor(out, x)
+
+        def check():
+            out.fill_(-1.0)
+            run()
+            return bool(torch.equal(out, expect))
+        return run, check, per * n * 4
     if op == "reduce_scatter":
         per = max(1, count // n)
         x = torch.full((per * n,), float(rank + 1))
         out = torch.empty(per)
-        return ((lambda: dist.reduce_scatter_tensor(out, x)),
-                (lambda: bool(torch.all(out == n * (n + 1) / 2))), per * n * 4)
+
+        def run():
+            dist.reduce_scatter_tensor(out, x)
+
+        def check():
+            out.fill_(-1.0)
+            run()
+            return bool(torch.all(out == n * (n + 1) / 2))
+        return run, check, per * n * 4
     if op == "all_to_all":
         per = max(1, count // n)
         x = torch.full((per * n,), float(rank))
         out = torch.empty(per * n)
         expect = torch.arange(n, dtype=torch.float32).repeat_interleave(per)
-        return (lambda: dist.all_to_all_single(out, x)), (lambda: bool(torch.equal(out, expect))), per * n * 4
-    if op == "broadcast":
-        x = torch.empty(count)
 
         def run():
-            if rank == 0:
-                x.fill_(7.0)
+            dist.all_to_all_single(out, x)
+
+        def check():
+            out.fill_(-1.0)
+            run()
+            return bool(torch.equal(out, expect))
+        return run, check, per * n * 4
+    if op == "broadcast":
+        x = torch.zeros(count)
+
+        def run():
             dist.broadcast(x, src=0)
-        return run, lambda: bool(torch.all(x == 7.0)), count * 4
+
+        def check():
+            x.fill_(7.0 if rank == 0 else -1.0)
+            run()
+            return bool(torch.all(x == 7.0))
+        return run, check, count * 4
     if op == "send_recv":
         x = torch.full((count,), float(rank))
         buf = torch.empty(count)
@@ -108,7 +141,12 @@ def _make_op(op: str, nbytes: int, rank: int, n: int, dist, torch, group=None):
             ops = [dist.P2POp(dist.isend, x, (rank + 1) % n), dist.P2POp(dist.irecv, buf, (rank - 1) % n)]
             for w in dist.batch_isend_irecv(ops):
                 w.wait()
-        return run, lambda: bool(torch.all(buf == float((rank - 1) % n))), count * 4
+
+        def check():
+            buf.fill_(-1.0)
+            run()
+            return bool(torch.all(buf == float((rank - 1) % n)))
+        return run, check, count * 4
     raise ValueError(f"unknown op {op!r}")
 
 
@@ -354,9 +392,11 @@ def render(results: dict, n: int, B: float, skipped: dict) -> str:
              f"{B / 1e9:.1f} GB/s. all_reduce bound 2(n-1)/n * B/(3n+1) = {allreduce_bound(n, B) / 1e9:.2f} GB/s; "
              "the other bounds: docs/benchmarks/README.md."]
     if any("floor_us" in r for r in results.get("t3d", [])):
-        lines.append("torch dispatch floor (all_reduce rows): the same loop body (fill_ + dist.all_reduce) on a no-op "
+        lines.append("torch dispatch floor (all_reduce rows): the same loop body (dist.all_reduce) on a no-op "
                      "'fake' process group, timed in the same rank processes in batches interleaved with t3d's "
                      "(slowest rank). 't3d - floor' is what t3d adds to it.")
+    lines.append("Timed loops only communicate (as in nccl-tests): buffers are not re-initialised inside them; the "
+                 "check sets known inputs and runs the op once more.")
     for name, why in skipped.items():
         lines.append(f"Skipped {name}: {why}")
     backends = [b for b in results if not b.startswith("_")]
