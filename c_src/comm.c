@@ -78,13 +78,15 @@ t3d_result_t t3d__store_get(t3d_comm_t *comm, const char *key, void **value, siz
  * block: on the waiter's own wake-up signal where it has one (shared-memory flags: a futex), otherwise in short naps.
  * When this host runs as many ranks as it has cores or more, the peer we wait for is often queued behind us on our
  * own core (measured: two ranks on two cores share one about half the time, as the scheduler places a woken task
- * next to its waker): the spin phase is skipped. With more ranks than cores every polling thread also takes turns
+ * next to its waker): the spin phase is skipped, except by a shared-memory waiter that sees its peer running on
+ * another CPU (t3d__backoff_poll_running, shm.h's t3d__shm_cpu). With more ranks than cores every polling thread also takes turns
  * from the ranks that have work: the yield phase is cut to T3D_YIELD_NS_OVERSUBSCRIBED (20 us) and the idle
  * progress thread stops watching its queue (t3d__backoff_note_ranks, t3d__oversubscribed). With exactly as many, a rank still has
  * about a core to itself, and blocking would cost a wake-up per step of a pipelined operation (measured, 2 ranks:
  * small broadcast 22 -> 45 us, 64 MiB allreduce 86% -> 73% of its bound). */
 static _Atomic int64_t spin_ns = -1;  /* -1: not decided yet */
 static _Atomic int64_t yield_ns = -1; /* -1: not decided yet */
+static _Atomic int64_t running_spin_ns = -1; /* t3d__backoff_poll_running: T3D_SPIN_NS even when the cores are full */
 static atomic_int oversubscribed;
 
 static int64_t budget(_Atomic int64_t *slot, const char *env, int64_t dflt) {
@@ -134,6 +136,18 @@ int t3d_backoff_poll(uint64_t *since) {
   }
   return 1;
 }
+
+int t3d__backoff_poll_running(t3d_backoff_t *b) {
+  uint64_t now = t3d__now_ns();
+  if (b->since == 0) b->since = now;
+  if (now - b->since < (uint64_t)budget(&running_spin_ns, "T3D_SPIN_NS", 5000)) {
+    for (int i = 0; i < 8; i++) __builtin_ia32_pause();
+    return 0;
+  }
+  return t3d__backoff_poll(b);
+}
+
+int t3d__cores_filled(void) { return atomic_load_explicit(&spin_ns, memory_order_relaxed) == 0; }
 
 void t3d__backoff_wait(t3d_backoff_t *b) {
   if (t3d__backoff_poll(b)) {
@@ -807,8 +821,8 @@ static t3d_result_t setup_shm(t3d_comm_t *comm, const char *want) {
     free(v);
   }
   if (same) {
+    t3d__backoff_note_ranks(comm->size); /* first: the segment's waiters follow it */
     T3D_CHECK(t3d__shm_init(comm, &comm->shm));
-    t3d__backoff_note_ranks(comm->size);
     return T3D_OK;
   }
   if (strcmp(want, "shm") == 0) {

@@ -146,6 +146,12 @@ int t3d__oversubscribed(void);
  * them: the caller should block on its own wake-up signal (with a bounded timeout, so that it still checks for
  * abort and deadline). */
 int t3d__backoff_poll(t3d_backoff_t *b);
+/* t3d__backoff_poll for a waiter that knows its peer is running on another CPU right now: the peer is not queued
+ * behind it, so it pause-spins for T3D_SPIN_NS (5 us) even where the spin phase is skipped, then goes on as
+ * t3d__backoff_poll. */
+int t3d__backoff_poll_running(t3d_backoff_t *b);
+/* Nonzero when the spin phase is skipped: this host runs as many ranks as cores, or more. */
+int t3d__cores_filled(void);
 /* t3d__backoff_poll for waiters without a wake-up signal: past the yield phase, naps of ~20 us. */
 void t3d__backoff_wait(t3d_backoff_t *b);
 t3d_result_t t3d__exec_check(t3d_exec_t *ex, const char *waiting_for);

@@ -141,6 +141,8 @@ static void read_tuning(t3d_shm_t *s) {
   v = t3d__env_int("T3D_SHM_NT_BYTES", 4 << 20);
   s->nt_min = v <= 0 ? SIZE_MAX : (size_t)v;
   s->nt = t3d__shm_nt_available();
+  /* As many ranks as cores: no blind spinning, but a peer seen running on another core is worth a short spin. */
+  s->cpu_aware = t3d__cores_filled() && !t3d__oversubscribed();
 }
 
 /* "name", or "!reason" when rank 0 failed. Each other rank answers "mapped/<rank>" with "1" or "!reason"; rank 0
@@ -281,6 +283,7 @@ void t3d__shm_wake(t3d_shm_t *s) {
 
 void t3d__shm_sleep(t3d_shm_t *s, int p, uint64_t target, uint64_t max_ns) {
   _Atomic uint32_t *sleepers = t3d__shm_sleepers(s, p);
+  if (s->cpu_aware) atomic_store_explicit(t3d__shm_cpu(s, s->rank), 0u, memory_order_relaxed);
   atomic_fetch_add_explicit(sleepers, 1, memory_order_seq_cst);
   uint64_t v = atomic_load_explicit(t3d__shm_flag(s, p), memory_order_seq_cst);
   if (v < target) {
@@ -289,10 +292,17 @@ void t3d__shm_sleep(t3d_shm_t *s, int p, uint64_t target, uint64_t max_ns) {
     syscall(SYS_futex, (void *)t3d__shm_flag(s, p), FUTEX_WAIT, (uint32_t)v, &ts, NULL, 0);
   }
   atomic_fetch_sub_explicit(sleepers, 1, memory_order_relaxed);
+  t3d__shm_note_cpu(s);
 }
 
 void t3d__shm_backoff(t3d_shm_t *s, t3d_backoff_t *b, int p, uint64_t target, uint64_t until) {
-  if (!t3d__backoff_poll(b)) return;
+  int running = 0;
+  if (s->cpu_aware) {
+    if (b->since == 0) t3d__shm_note_cpu(s); /* starting to wait: this rank runs here now */
+    uint32_t cpu = atomic_load_explicit(t3d__shm_cpu(s, p), memory_order_relaxed);
+    running = cpu != 0 && cpu != (uint32_t)sched_getcpu() + 1u;
+  }
+  if (!(running ? t3d__backoff_poll_running(b) : t3d__backoff_poll(b))) return;
   uint64_t max_ns = 1000000;
   if (until != 0) {
     uint64_t now = t3d__now_ns();

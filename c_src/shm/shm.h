@@ -5,6 +5,7 @@
 
 #include "comm.h"
 
+#include <sched.h>
 #include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -12,13 +13,14 @@
 /* Segment layout (every part 4 KiB aligned):
  *   header   one page: magic, rank count, bytes per half (rank 0 decides; the others adopt it)
  *   control  per rank T3D_SHM_CTRL_STRIDE bytes: its progress flag alone in the first 64 bytes and, in the next 64
- *            (the adjacent-line prefetcher fetches lines in pairs), the count of ranks asleep on that flag; then
- *            one 64-byte op-info line per half
+ *            (the adjacent-line prefetcher fetches lines in pairs), the count of ranks asleep on that flag and the
+ *            CPU the rank last ran t3d code on; then one 64-byte op-info line per half
  *   data     per rank two halves of `half` bytes; step t of the communicator uses half t & 1 of every rank
  * A rank writes only its own flag, info lines and halves. */
 #define T3D_SHM_MAGIC 0x3130304d48534433ull /* "3DSHM001" */
 #define T3D_SHM_CTRL_STRIDE 256
 #define T3D_SHM_SLEEPERS_OFFSET 64
+#define T3D_SHM_CPU_OFFSET 96
 #define T3D_SHM_INFO_OFFSET 128
 #define T3D_SHM_PAGE 4096
 
@@ -54,6 +56,7 @@ struct t3d_shm {
   size_t nt_min;      /* operations of at least this many bytes write user buffers with non-temporal stores
                        * (measured here: they win from 4 MiB, lose at 2 MiB, where the output still fits the caches) */
   int nt;             /* the CPU has a non-temporal store path */
+  int cpu_aware;      /* as many ranks as cores: publish the CPU, spin while the awaited peer runs elsewhere */
   int *pending;       /* scratch: ranks still awaited */
   const void **srcs;  /* scratch: one source per rank */
   size_t *offs;       /* scratch: one offset per rank */
@@ -66,6 +69,16 @@ static inline _Atomic uint64_t *t3d__shm_flag(const t3d_shm_t *s, int p) {
 /* Ranks blocked in t3d__shm_sleep on rank p's flag: a post wakes them only when there are some. */
 static inline _Atomic uint32_t *t3d__shm_sleepers(const t3d_shm_t *s, int p) {
   return (_Atomic uint32_t *)(void *)(s->ctrl + (size_t)p * T3D_SHM_CTRL_STRIDE + T3D_SHM_SLEEPERS_OFFSET);
+}
+/* Rank p's CPU + 1 as it last saw it while running (posting, or starting to wait); 0 while it sleeps on a futex or
+ * before it first ran. A waiter whose peer shows another CPU than its own knows the peer is not queued behind it
+ * and spins briefly instead of yielding (t3d__shm_backoff). Stale when the peer was preempted since: the cost is
+ * one short spin. */
+static inline _Atomic uint32_t *t3d__shm_cpu(const t3d_shm_t *s, int p) {
+  return (_Atomic uint32_t *)(void *)(s->ctrl + (size_t)p * T3D_SHM_CTRL_STRIDE + T3D_SHM_CPU_OFFSET);
+}
+static inline void t3d__shm_note_cpu(t3d_shm_t *s) {
+  if (s->cpu_aware) atomic_store_explicit(t3d__shm_cpu(s, s->rank), (uint32_t)sched_getcpu() + 1u, memory_order_relaxed);
 }
 static inline t3d_shm_info_t *t3d__shm_info(const t3d_shm_t *s, int p, int h) {
   return (t3d_shm_info_t *)(void *)(s->ctrl + (size_t)p * T3D_SHM_CTRL_STRIDE + T3D_SHM_INFO_OFFSET + 64 * h);
@@ -94,6 +107,7 @@ void t3d__shm_wake(t3d_shm_t *s);
 /* Publishes phase `value` and wakes the ranks asleep on this rank's flag. Sequentially consistent store and load,
  * paired with t3d__shm_sleep's: either the sleeper sees the new value or the poster sees the sleeper. */
 static inline void t3d__shm_post(t3d_shm_t *s, uint64_t value) {
+  t3d__shm_note_cpu(s);
   atomic_store_explicit(t3d__shm_flag(s, s->rank), value, memory_order_seq_cst);
   if (atomic_load_explicit(t3d__shm_sleepers(s, s->rank), memory_order_seq_cst) != 0) t3d__shm_wake(s);
 }

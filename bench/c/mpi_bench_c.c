@@ -1,0 +1,193 @@
+/* mpi_bench_c.c: the peer of t3d_bench_c at the C level: the same operations, sizes, iteration counts, timing
+ * (slowest rank's mean of a tight issue-and-complete loop after a barrier) and check, through MPI's C API, so that
+ * t3d and Open MPI compare with neither paying Python's or torch's dispatch. Built when CMake finds MPI; run with
+ *   mpirun --oversubscribe --bind-to none -np 2 <build>/bench/c/mpi_bench_c [-b 8] [-e 4K] [-o allreduce,...]
+ * (add OMPI_MCA_btl=self,vader to keep Open MPI on shared memory, as t3d-bench does). */
+#include <mpi.h>
+
+#include <getopt.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { OP_ALLREDUCE, OP_ALLGATHER, OP_REDUCE_SCATTER, OP_ALLTOALL, OP_BROADCAST, OP_COUNT };
+static const char *op_names[OP_COUNT] = {"allreduce", "allgather", "reduce_scatter", "alltoall", "broadcast"};
+
+typedef struct {
+  size_t minb, maxb;
+  int factor;
+  int ops[OP_COUNT];
+  int check;
+  int warmup, iters; /* 0: by size, as t3d_bench_c */
+} opts_t;
+
+static size_t parse_size(const char *s) {
+  char *end;
+  double v = strtod(s, &end);
+  switch (*end) {
+    case 'K': case 'k': v *= 1024; break;
+    case 'M': case 'm': v *= 1024 * 1024; break;
+    case 'G': case 'g': v *= 1024.0 * 1024 * 1024; break;
+    default: break;
+  }
+  return (size_t)v;
+}
+
+static void usage(const char *argv0, int rank) {
+  if (rank == 0) {
+    fprintf(stderr,
+            "usage: mpirun -np N %s [-b minbytes] [-e maxbytes] [-f factor] [-o op[,op...]] [-w warmup] [-i iters]\n"
+            "          [-c 0|1]\n"
+            "  ops: allreduce, allgather, reduce_scatter, alltoall, broadcast (default: all); float32, sum;\n"
+            "  sizes as in t3d_bench_c (total bytes, K/M/G suffixes; default 8 B .. 256 MiB x2)\n",
+            argv0);
+  }
+  MPI_Finalize();
+  exit(2);
+}
+
+static int run_once(int op, float *sb, float *rb, size_t count, int n) {
+  int per = (int)(count / (size_t)n);
+  switch (op) {
+    case OP_ALLREDUCE: return MPI_Allreduce(sb, rb, (int)count, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+    case OP_ALLGATHER: return MPI_Allgather(sb, per, MPI_FLOAT, rb, per, MPI_FLOAT, MPI_COMM_WORLD);
+    case OP_REDUCE_SCATTER: return MPI_Reduce_scatter_block(sb, rb, per, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+    case OP_ALLTOALL: return MPI_Alltoall(sb, per, MPI_FLOAT, rb, per, MPI_FLOAT, MPI_COMM_WORLD);
+    default: return MPI_Bcast(rb, (int)count, MPI_FLOAT, 0, MPI_COMM_WORLD);
+  }
+}
+
+/* The inputs and expected outputs of t3d_bench_c: small exact integers, so every sum is exact in float32. */
+static float value(int rank, size_t i) { return (float)((rank + 1) + (int)(i % 7)); }
+
+static long long check(int op, float *sb, float *rb, size_t count, int n, int rank) {
+  size_t per = count / (size_t)n;
+  for (size_t i = 0; i < count; i++) sb[i] = value(rank, i);
+  if (op == OP_BROADCAST)
+    for (size_t i = 0; i < count; i++) rb[i] = rank == 0 ? value(0, i) : -1.0f;
+  if (op == OP_ALLGATHER)
+    for (size_t i = 0; i < per; i++) sb[i] = value(rank, rank * per + i);
+  if (run_once(op, sb, rb, count, n) != MPI_SUCCESS) return -1;
+  long long wrong = 0;
+  int tri = n * (n + 1) / 2;
+  switch (op) {
+    case OP_ALLREDUCE:
+      for (size_t i = 0; i < count; i++) wrong += rb[i] != (float)(tri + n * (int)(i % 7));
+      break;
+    case OP_REDUCE_SCATTER:
+      for (size_t i = 0; i < per; i++) wrong += rb[i] != (float)(tri + n * (int)((rank * per + i) % 7));
+      break;
+    case OP_ALLGATHER:
+      for (size_t i = 0; i < per * (size_t)n; i++) wrong += rb[i] != value((int)(i / per), i);
+      break;
+    case OP_ALLTOALL:
+      for (size_t i = 0; i < per * (size_t)n; i++) wrong += rb[i] != value((int)(i / per), rank * per + i % per);
+      break;
+    default:
+      for (size_t i = 0; i < count; i++) wrong += rb[i] != value(0, i);
+      break;
+  }
+  return wrong;
+}
+
+static double bus_factor(int op, int n) {
+  switch (op) {
+    case OP_ALLREDUCE: return 2.0 * (n - 1) / n;
+    case OP_BROADCAST: return 1.0;
+    default: return (double)(n - 1) / n;
+  }
+}
+
+int main(int argc, char **argv) {
+  MPI_Init(&argc, &argv);
+  int rank, n;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  opts_t o = {.minb = 8, .maxb = 256u << 20, .factor = 2, .check = 1};
+  for (int i = 0; i < OP_COUNT; i++) o.ops[i] = 1;
+  int c;
+  while ((c = getopt(argc, argv, "b:e:f:o:w:i:c:h")) != -1) {
+    switch (c) {
+      case 'b': o.minb = parse_size(optarg); break;
+      case 'e': o.maxb = parse_size(optarg); break;
+      case 'f': o.factor = atoi(optarg); break;
+      case 'w': o.warmup = atoi(optarg); break;
+      case 'i': o.iters = atoi(optarg); break;
+      case 'c': o.check = atoi(optarg); break;
+      case 'o': {
+        for (int i = 0; i < OP_COUNT; i++) o.ops[i] = 0;
+        char *list = strdup(optarg);
+        for (char *tok = strtok(list, ","); tok != NULL; tok = strtok(NULL, ",")) {
+          int found = 0;
+          for (int i = 0; i < OP_COUNT; i++)
+            if (strcmp(tok, op_names[i]) == 0) o.ops[i] = found = 1;
+          if (!found) usage(argv[0], rank);
+        }
+        free(list);
+        break;
+      }
+      default: usage(argv[0], rank);
+    }
+  }
+  if (o.factor < 2 || o.minb < 1 || o.maxb < o.minb || o.maxb / 4 > (size_t)2147483647) usage(argv[0], rank);
+  if (rank == 0) {
+    char lib[MPI_MAX_LIBRARY_VERSION_STRING];
+    int len = 0;
+    MPI_Get_library_version(lib, &len);
+    char *nl = strchr(lib, '\n');
+    if (nl != NULL) *nl = '\0';
+    printf("# mpi_bench_c: %d ranks, %s\n", n, lib);
+  }
+  size_t maxcount = o.maxb / 4 + 1;
+  float *sb = NULL, *rb = NULL;
+  if (posix_memalign((void **)&sb, 4096, maxcount * 4) != 0 || posix_memalign((void **)&rb, 4096, maxcount * 4) != 0) {
+    fprintf(stderr, "rank %d: out of memory for %zu-byte buffers\n", rank, maxcount * 4);
+    MPI_Abort(MPI_COMM_WORLD, 1);
+  }
+  memset(sb, 0, maxcount * 4);
+  memset(rb, 0, maxcount * 4);
+  int rc = 0;
+  for (int op = 0; op < OP_COUNT && rc == 0; op++) {
+    if (!o.ops[op]) continue;
+    if (rank == 0) {
+      printf("\n# %s, %d ranks, float32%s; time = slowest rank's mean per call\n", op_names[op], n,
+             op == OP_ALLREDUCE || op == OP_REDUCE_SCATTER ? " sum" : "");
+      printf("# %12s %12s %6s %5s | %-4s %10s %8s %8s %6s\n", "size(B)", "count", "type", "redop", "mpi", "time(us)",
+             "algbw", "busbw", "#wrong");
+      fflush(stdout);
+    }
+    for (size_t bytes = o.minb; bytes <= o.maxb; bytes = bytes * (size_t)o.factor) {
+      size_t count = bytes / 4;
+      if (op != OP_ALLREDUCE && op != OP_BROADCAST) count = count / (size_t)n * (size_t)n;
+      if (count == 0) count = op == OP_ALLREDUCE || op == OP_BROADCAST ? 1 : (size_t)n;
+      size_t real = count * 4;
+      int iters = o.iters > 0 ? o.iters : (int)(256.0 * 1024 * 1024 / (double)real);
+      if (o.iters <= 0) iters = iters < 5 ? 5 : iters > 2000 ? 2000 : iters;
+      int warm = o.warmup > 0 ? o.warmup : (iters / 10 < 2 ? 2 : iters / 10);
+      for (int i = 0; i < warm && rc == 0; i++) rc = run_once(op, sb, rb, count, n);
+      MPI_Barrier(MPI_COMM_WORLD);
+      double t0 = MPI_Wtime();
+      for (int i = 0; i < iters && rc == 0; i++) rc = run_once(op, sb, rb, count, n);
+      double mine = (MPI_Wtime() - t0) / iters, slowest = 0;
+      long long wrong = o.check && rc == 0 ? check(op, sb, rb, count, n, rank) : 0, wrong_all = 0;
+      if (wrong < 0) wrong = 1000000000LL;
+      if (rc != MPI_SUCCESS) {
+        fprintf(stderr, "rank %d: %s of %zu bytes failed (MPI error %d)\n", rank, op_names[op], real, rc);
+        MPI_Abort(MPI_COMM_WORLD, 1);
+      }
+      MPI_Reduce(&mine, &slowest, 1, MPI_DOUBLE, MPI_MAX, 0, MPI_COMM_WORLD);
+      MPI_Reduce(&wrong, &wrong_all, 1, MPI_LONG_LONG, MPI_SUM, 0, MPI_COMM_WORLD);
+      if (rank == 0) {
+        double algbw = (double)real / slowest / 1e9;
+        printf("  %12zu %12zu %6s %5s | %-4s %10.2f %8.3f %8.3f %6lld\n", real, count, "float",
+               op == OP_ALLREDUCE || op == OP_REDUCE_SCATTER ? "sum" : "-", "mpi", slowest * 1e6, algbw,
+               algbw * bus_factor(op, n), wrong_all);
+        fflush(stdout);
+      }
+    }
+  }
+  free(sb);
+  free(rb);
+  MPI_Finalize();
+  return rc == 0 ? 0 : 1;
+}
