@@ -10,8 +10,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { OP_ALLREDUCE, OP_ALLGATHER, OP_REDUCE_SCATTER, OP_ALLTOALL, OP_BROADCAST, OP_COUNT };
-static const char *op_names[OP_COUNT] = {"allreduce", "allgather", "reduce_scatter", "alltoall", "broadcast"};
+enum { OP_ALLREDUCE, OP_ALLGATHER, OP_REDUCE_SCATTER, OP_ALLTOALL, OP_BROADCAST, OP_SENDRECV, OP_COUNT };
+static const char *op_names[OP_COUNT] = {"allreduce", "allgather", "reduce_scatter", "alltoall", "broadcast",
+                                         "sendrecv"};
 
 typedef struct {
   size_t minb, maxb;
@@ -38,7 +39,8 @@ static void usage(const char *argv0, int rank) {
     fprintf(stderr,
             "usage: mpirun -np N %s [-b minbytes] [-e maxbytes] [-f factor] [-o op[,op...]] [-w warmup] [-i iters]\n"
             "          [-c 0|1]\n"
-            "  ops: allreduce, allgather, reduce_scatter, alltoall, broadcast (default: all); float32, sum;\n"
+            "  ops: allreduce, allgather, reduce_scatter, alltoall, broadcast, sendrecv (ring shift) (default: all);\n"
+            "  float32, sum;\n"
             "  sizes as in t3d_bench_c (total bytes, K/M/G suffixes; default 8 B .. 256 MiB x2)\n",
             argv0);
   }
@@ -53,6 +55,12 @@ static int run_once(int op, float *sb, float *rb, size_t count, int n) {
     case OP_ALLGATHER: return MPI_Allgather(sb, per, MPI_FLOAT, rb, per, MPI_FLOAT, MPI_COMM_WORLD);
     case OP_REDUCE_SCATTER: return MPI_Reduce_scatter_block(sb, rb, per, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
     case OP_ALLTOALL: return MPI_Alltoall(sb, per, MPI_FLOAT, rb, per, MPI_FLOAT, MPI_COMM_WORLD);
+    case OP_SENDRECV: {
+      int rank;
+      MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+      return MPI_Sendrecv(sb, (int)count, MPI_FLOAT, (rank + 1) % n, 0, rb, (int)count, MPI_FLOAT, (rank + n - 1) % n,
+                          0, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+    }
     default: return MPI_Bcast(rb, (int)count, MPI_FLOAT, 0, MPI_COMM_WORLD);
   }
 }
@@ -83,6 +91,9 @@ static long long check(int op, float *sb, float *rb, size_t count, int n, int ra
     case OP_ALLTOALL:
       for (size_t i = 0; i < per * (size_t)n; i++) wrong += rb[i] != value((int)(i / per), rank * per + i % per);
       break;
+    case OP_SENDRECV:
+      for (size_t i = 0; i < count; i++) wrong += rb[i] != value((rank + n - 1) % n, i);
+      break;
     default:
       for (size_t i = 0; i < count; i++) wrong += rb[i] != value(0, i);
       break;
@@ -93,7 +104,7 @@ static long long check(int op, float *sb, float *rb, size_t count, int n, int ra
 static double bus_factor(int op, int n) {
   switch (op) {
     case OP_ALLREDUCE: return 2.0 * (n - 1) / n;
-    case OP_BROADCAST: return 1.0;
+    case OP_BROADCAST: case OP_SENDRECV: return 1.0;
     default: return (double)(n - 1) / n;
   }
 }
@@ -158,8 +169,9 @@ int main(int argc, char **argv) {
     }
     for (size_t bytes = o.minb; bytes <= o.maxb; bytes = bytes * (size_t)o.factor) {
       size_t count = bytes / 4;
-      if (op != OP_ALLREDUCE && op != OP_BROADCAST) count = count / (size_t)n * (size_t)n;
-      if (count == 0) count = op == OP_ALLREDUCE || op == OP_BROADCAST ? 1 : (size_t)n;
+      int whole = op == OP_ALLREDUCE || op == OP_BROADCAST || op == OP_SENDRECV; /* S is per rank */
+      if (!whole) count = count / (size_t)n * (size_t)n;
+      if (count == 0) count = whole ? 1 : (size_t)n;
       size_t real = count * 4;
       int iters = o.iters > 0 ? o.iters : (int)(256.0 * 1024 * 1024 / (double)real);
       if (o.iters <= 0) iters = iters < 5 ? 5 : iters > 2000 ? 2000 : iters;

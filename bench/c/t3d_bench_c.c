@@ -108,8 +108,9 @@ static void fs_remove(const fstore_t *fs) {
 
 /* ---------- options ---------- */
 
-enum { OP_ALLREDUCE, OP_ALLGATHER, OP_REDUCE_SCATTER, OP_ALLTOALL, OP_BROADCAST, OP_COUNT };
-static const char *op_names[OP_COUNT] = {"allreduce", "allgather", "reduce_scatter", "alltoall", "broadcast"};
+enum { OP_ALLREDUCE, OP_ALLGATHER, OP_REDUCE_SCATTER, OP_ALLTOALL, OP_BROADCAST, OP_SENDRECV, OP_COUNT };
+static const char *op_names[OP_COUNT] = {"allreduce", "allgather", "reduce_scatter", "alltoall", "broadcast",
+                                         "sendrecv"};
 
 typedef struct {
   int nranks;
@@ -137,7 +138,8 @@ static void usage(const char *argv0) {
   fprintf(stderr,
           "usage: %s [-n ranks] [-b minbytes] [-e maxbytes] [-f factor] [-o op[,op...]] [-t auto|ucx|both]\n"
           "          [-w warmup] [-i iters] [-c 0|1]\n"
-          "  ops: allreduce, allgather, reduce_scatter, alltoall, broadcast (default: all)\n"
+          "  ops: allreduce, allgather, reduce_scatter, alltoall, broadcast, sendrecv (default: all)\n"
+          "  sendrecv is a ring shift: every rank sends to rank + 1 and receives from rank - 1 in one group\n"
           "  sizes are total bytes as in nccl-tests (K/M/G suffixes); float32, sum; default 8 B .. 256 MiB x2\n"
           "  -t both runs every size on two communicators: the default transport (shared memory on one host) and\n"
           "     T3D_TRANSPORT=ucx; iterations default to about 256 MiB of traffic per size (5 .. 2000)\n",
@@ -157,9 +159,27 @@ static int fail(int rank, const char *what, t3d_comm_t *c, t3d_result_t r) {
   return 1;
 }
 
+/* Ring shift as the torch bench's send_recv (batch_isend_irecv): both in one group, waited on together. */
+static t3d_result_t sendrecv(t3d_comm_t *c, float *sb, float *rb, size_t count, int n) {
+  int rank = t3d_comm_rank(c);
+  t3d_request_t *s = NULL, *r = NULL, *group = NULL;
+  t3d_result_t res = t3d_group_start(c);
+  if (res != T3D_OK) return res;
+  res = t3d_send(c, sb, count, T3D_FLOAT32, (rank + 1) % n, 0, NULL, &s);
+  if (res == T3D_OK) res = t3d_recv(c, rb, count, T3D_FLOAT32, (rank + n - 1) % n, 0, NULL, &r);
+  t3d_result_t end = t3d_group_end(c, &group);
+  if (res == T3D_OK) res = end;
+  if (res == T3D_OK) res = t3d_wait(group, -1);
+  t3d_request_free(group);
+  t3d_request_free(s);
+  t3d_request_free(r);
+  return res;
+}
+
 static t3d_result_t run_once(t3d_comm_t *c, int op, float *sb, float *rb, size_t count, int n) {
   t3d_request_t *req = NULL;
   t3d_result_t r;
+  if (op == OP_SENDRECV) return sendrecv(c, sb, rb, count, n);
   switch (op) {
     case OP_ALLREDUCE: r = t3d_allreduce(c, sb, rb, count, T3D_FLOAT32, T3D_SUM, NULL, &req); break;
     case OP_ALLGATHER: r = t3d_allgather(c, sb, rb, count / (size_t)n, T3D_FLOAT32, NULL, &req); break;
@@ -210,6 +230,9 @@ static long long check(t3d_comm_t *c, int op, float *sb, float *rb, size_t count
     case OP_ALLTOALL: /* block p of what we receive is block `rank` of p's input */
       for (size_t i = 0; i < per * (size_t)n; i++) wrong += rb[i] != value((int)(i / per), rank * per + i % per);
       break;
+    case OP_SENDRECV:
+      for (size_t i = 0; i < count; i++) wrong += rb[i] != value((rank + n - 1) % n, i);
+      break;
     default:
       for (size_t i = 0; i < count; i++) wrong += rb[i] != value(0, i);
       break;
@@ -220,7 +243,7 @@ static long long check(t3d_comm_t *c, int op, float *sb, float *rb, size_t count
 static double bus_factor(int op, int n) {
   switch (op) {
     case OP_ALLREDUCE: return 2.0 * (n - 1) / n;
-    case OP_BROADCAST: return 1.0;
+    case OP_BROADCAST: case OP_SENDRECV: return 1.0;
     default: return (double)(n - 1) / n;
   }
 }
@@ -261,8 +284,9 @@ static int rank_main(const opts_t *o, int rank, const fstore_t *fs, shared_t *sh
     }
     for (size_t bytes = o->minb; bytes <= o->maxb; bytes = bytes * (size_t)o->factor) {
       size_t count = bytes / 4;
-      if (op != OP_ALLREDUCE && op != OP_BROADCAST) count = count / (size_t)n * (size_t)n;
-      if (count == 0) count = op == OP_ALLREDUCE || op == OP_BROADCAST ? 1 : (size_t)n;
+      int whole = op == OP_ALLREDUCE || op == OP_BROADCAST || op == OP_SENDRECV; /* S is per rank */
+      if (!whole) count = count / (size_t)n * (size_t)n;
+      if (count == 0) count = whole ? 1 : (size_t)n;
       size_t real = count * 4;
       int iters = o->iters > 0 ? o->iters : (int)(256.0 * 1024 * 1024 / (double)real);
       if (o->iters <= 0) iters = iters < 5 ? 5 : iters > 2000 ? 2000 : iters;
