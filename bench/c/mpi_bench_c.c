@@ -158,6 +158,7 @@ int main(int argc, char **argv) {
   memset(sb, 0, maxcount * 4);
   memset(rb, 0, maxcount * 4);
   int rc = 0;
+  long long wrong_total = 0;
   for (int op = 0; op < OP_COUNT && rc == 0; op++) {
     if (!o.ops[op]) continue;
     if (rank == 0) {
@@ -189,6 +190,7 @@ int main(int argc, char **argv) {
       }
       MPI_Reduce(&mine, &slowest, 1, MPI_DOUBLE, MPI_MAX, 0, MPI_COMM_WORLD);
       MPI_Reduce(&wrong, &wrong_all, 1, MPI_LONG_LONG, MPI_SUM, 0, MPI_COMM_WORLD);
+      wrong_total += wrong_all;
       if (rank == 0) {
         double algbw = (double)real / slowest / 1e9;
         printf("  %12zu %12zu %6s %5s | %-4s %10.2f %8.3f %8.3f %6lld\n", real, count, "float",
@@ -201,5 +203,9 @@ int main(int argc, char **argv) {
   free(sb);
   free(rb);
   MPI_Finalize();
+  if (wrong_total > 0) {
+    fprintf(stderr, "mpi_bench_c: %lld wrong elements (see the #wrong columns)\n", wrong_total);
+    return 1;
+  }
   return rc == 0 ? 0 : 1;
 }

@@ -270,6 +270,7 @@ static int rank_main(const opts_t *o, int rank, const fstore_t *fs, shared_t *sh
   memset(sb, 0, maxcount * 4);
   memset(rb, 0, maxcount * 4);
   int n = o->nranks;
+  long long wrong_total = 0;
   for (int op = 0; op < OP_COUNT; op++) {
     if (!o->ops[op]) continue;
     if (rank == 0) {
@@ -311,6 +312,7 @@ static int rank_main(const opts_t *o, int rank, const fstore_t *fs, shared_t *sh
           if (sh->times[p] > tm[t]) tm[t] = sh->times[p];
           wr[t] += sh->wrong[p] < 0 ? 1000000000LL : sh->wrong[p];
         }
+        wrong_total += wr[t];
         /* Nobody writes the shared slots again before rank 0 has read them: the next measurement needs it. */
         if (barrier(c) != T3D_OK) return fail(rank, "barrier", c, T3D_ERR_INTERNAL);
       }
@@ -331,6 +333,10 @@ static int rank_main(const opts_t *o, int rank, const fstore_t *fs, shared_t *sh
     if (comms[t] != NULL) t3d_comm_destroy(comms[t]);
   free(sb);
   free(rb);
+  if (rank == 0 && wrong_total > 0) {
+    fprintf(stderr, "t3d_bench_c: %lld wrong elements (see the #wrong columns)\n", wrong_total);
+    return 1; /* rank 0 alone: one report */
+  }
   return 0;
 }
 
