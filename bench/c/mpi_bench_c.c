@@ -5,14 +5,12 @@
  * (add OMPI_MCA_btl=self,vader to keep Open MPI on shared memory, as t3d-bench does). */
 #include <mpi.h>
 
+#include "bench_common.h"
+
 #include <getopt.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-enum { OP_ALLREDUCE, OP_ALLGATHER, OP_REDUCE_SCATTER, OP_ALLTOALL, OP_BROADCAST, OP_SENDRECV, OP_COUNT };
-static const char *op_names[OP_COUNT] = {"allreduce", "allgather", "reduce_scatter", "alltoall", "broadcast",
-                                         "sendrecv"};
 
 typedef struct {
   size_t minb, maxb;
@@ -21,18 +19,6 @@ typedef struct {
   int check;
   int warmup, iters; /* 0: by size, as t3d_bench_c */
 } opts_t;
-
-static size_t parse_size(const char *s) {
-  char *end;
-  double v = strtod(s, &end);
-  switch (*end) {
-    case 'K': case 'k': v *= 1024; break;
-    case 'M': case 'm': v *= 1024 * 1024; break;
-    case 'G': case 'g': v *= 1024.0 * 1024 * 1024; break;
-    default: break;
-  }
-  return (size_t)v;
-}
 
 static void usage(const char *argv0, int rank) {
   if (rank == 0) {
@@ -65,48 +51,10 @@ static int run_once(int op, float *sb, float *rb, size_t count, int n) {
   }
 }
 
-/* The inputs and expected outputs of t3d_bench_c: small exact integers, so every sum is exact in float32. */
-static float value(int rank, size_t i) { return (float)((rank + 1) + (int)(i % 7)); }
-
 static long long check(int op, float *sb, float *rb, size_t count, int n, int rank) {
-  size_t per = count / (size_t)n;
-  for (size_t i = 0; i < count; i++) sb[i] = value(rank, i);
-  if (op == OP_BROADCAST)
-    for (size_t i = 0; i < count; i++) rb[i] = rank == 0 ? value(0, i) : -1.0f;
-  if (op == OP_ALLGATHER)
-    for (size_t i = 0; i < per; i++) sb[i] = value(rank, rank * per + i);
+  fill_inputs(op, sb, rb, count, n, rank);
   if (run_once(op, sb, rb, count, n) != MPI_SUCCESS) return -1;
-  long long wrong = 0;
-  int tri = n * (n + 1) / 2;
-  switch (op) {
-    case OP_ALLREDUCE:
-      for (size_t i = 0; i < count; i++) wrong += rb[i] != (float)(tri + n * (int)(i % 7));
-      break;
-    case OP_REDUCE_SCATTER:
-      for (size_t i = 0; i < per; i++) wrong += rb[i] != (float)(tri + n * (int)((rank * per + i) % 7));
-      break;
-    case OP_ALLGATHER:
-      for (size_t i = 0; i < per * (size_t)n; i++) wrong += rb[i] != value((int)(i / per), i);
-      break;
-    case OP_ALLTOALL:
-      for (size_t i = 0; i < per * (size_t)n; i++) wrong += rb[i] != value((int)(i / per), rank * per + i % per);
-      break;
-    case OP_SENDRECV:
-      for (size_t i = 0; i < count; i++) wrong += rb[i] != value((rank + n - 1) % n, i);
-      break;
-    default:
-      for (size_t i = 0; i < count; i++) wrong += rb[i] != value(0, i);
-      break;
-  }
-  return wrong;
-}
-
-static double bus_factor(int op, int n) {
-  switch (op) {
-    case OP_ALLREDUCE: return 2.0 * (n - 1) / n;
-    case OP_BROADCAST: case OP_SENDRECV: return 1.0;
-    default: return (double)(n - 1) / n;
-  }
+  return count_wrong(op, rb, count, n, rank);
 }
 
 int main(int argc, char **argv) {
@@ -169,10 +117,7 @@ int main(int argc, char **argv) {
       fflush(stdout);
     }
     for (size_t bytes = o.minb; bytes <= o.maxb; bytes = bytes * (size_t)o.factor) {
-      size_t count = bytes / 4;
-      int whole = op == OP_ALLREDUCE || op == OP_BROADCAST || op == OP_SENDRECV; /* S is per rank */
-      if (!whole) count = count / (size_t)n * (size_t)n;
-      if (count == 0) count = whole ? 1 : (size_t)n;
+      size_t count = op_count(op, bytes, n);
       size_t real = count * 4;
       int iters = o.iters > 0 ? o.iters : (int)(256.0 * 1024 * 1024 / (double)real);
       if (o.iters <= 0) iters = iters < 5 ? 5 : iters > 2000 ? 2000 : iters;

@@ -1,0 +1,87 @@
+/* bench_common.h: what t3d_bench_c and mpi_bench_c share, so that the two compare the same thing: the operations,
+ * the element counts a size gives, the inputs, the expected outputs, nccl-tests' bus factors and the size parser. */
+#ifndef T3D_BENCH_COMMON_H
+#define T3D_BENCH_COMMON_H
+
+#include <stddef.h>
+#include <stdlib.h>
+
+enum { OP_ALLREDUCE, OP_ALLGATHER, OP_REDUCE_SCATTER, OP_ALLTOALL, OP_BROADCAST, OP_SENDRECV, OP_COUNT };
+static const char *const op_names[OP_COUNT] = {"allreduce", "allgather", "reduce_scatter", "alltoall", "broadcast",
+                                               "sendrecv"};
+
+/* "64K", "1.5M", "2G": bytes. */
+static inline size_t parse_size(const char *s) {
+  char *end;
+  double v = strtod(s, &end);
+  switch (*end) {
+    case 'K': case 'k': v *= 1024; break;
+    case 'M': case 'm': v *= 1024 * 1024; break;
+    case 'G': case 'g': v *= 1024.0 * 1024 * 1024; break;
+    default: break;
+  }
+  return (size_t)v;
+}
+
+/* float32 elements for a message of `bytes`: S is per rank for allreduce, broadcast and sendrecv, the whole buffer
+ * (a multiple of n elements) for the others; never zero. */
+static inline size_t op_count(int op, size_t bytes, int n) {
+  int whole = op == OP_ALLREDUCE || op == OP_BROADCAST || op == OP_SENDRECV;
+  size_t count = bytes / 4;
+  if (!whole) count = count / (size_t)n * (size_t)n;
+  if (count == 0) count = whole ? 1 : (size_t)n;
+  return count;
+}
+
+/* Small exact integers, so every sum is exact in float32 and the check needs no tolerance. */
+static inline float bench_value(int rank, size_t i) { return (float)((rank + 1) + (int)(i % 7)); }
+
+/* Known inputs for one checked run of op (sendrecv is a ring shift: rank sends to rank + 1). */
+static inline void fill_inputs(int op, float *sb, float *rb, size_t count, int n, int rank) {
+  size_t per = count / (size_t)n;
+  for (size_t i = 0; i < count; i++) sb[i] = bench_value(rank, i);
+  if (op == OP_BROADCAST)
+    for (size_t i = 0; i < count; i++) rb[i] = rank == 0 ? bench_value(0, i) : -1.0f;
+  if (op == OP_ALLGATHER)
+    for (size_t i = 0; i < per; i++) sb[i] = bench_value(rank, rank * per + i);
+}
+
+/* Elements of rb that differ from what op must have produced from fill_inputs. */
+static inline long long count_wrong(int op, const float *rb, size_t count, int n, int rank) {
+  size_t per = count / (size_t)n;
+  long long wrong = 0;
+  int tri = n * (n + 1) / 2;
+  switch (op) {
+    case OP_ALLREDUCE:
+      for (size_t i = 0; i < count; i++) wrong += rb[i] != (float)(tri + n * (int)(i % 7));
+      break;
+    case OP_REDUCE_SCATTER:
+      for (size_t i = 0; i < per; i++) wrong += rb[i] != (float)(tri + n * (int)((rank * per + i) % 7));
+      break;
+    case OP_ALLGATHER:
+      for (size_t i = 0; i < per * (size_t)n; i++) wrong += rb[i] != bench_value((int)(i / per), i);
+      break;
+    case OP_ALLTOALL: /* block p of what we receive is block `rank` of p's input */
+      for (size_t i = 0; i < per * (size_t)n; i++)
+        wrong += rb[i] != bench_value((int)(i / per), rank * per + i % per);
+      break;
+    case OP_SENDRECV:
+      for (size_t i = 0; i < count; i++) wrong += rb[i] != bench_value((rank + n - 1) % n, i);
+      break;
+    default:
+      for (size_t i = 0; i < count; i++) wrong += rb[i] != bench_value(0, i);
+      break;
+  }
+  return wrong;
+}
+
+/* nccl-tests: busbw = algbw * factor. */
+static inline double bus_factor(int op, int n) {
+  switch (op) {
+    case OP_ALLREDUCE: return 2.0 * (n - 1) / n;
+    case OP_BROADCAST: case OP_SENDRECV: return 1.0;
+    default: return (double)(n - 1) / n;
+  }
+}
+
+#endif /* T3D_BENCH_COMMON_H */
