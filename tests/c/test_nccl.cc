@@ -154,6 +154,15 @@ bool CudaOk(t3d_comm_t *comm, const std::string &what, const IssueFn &issue) {
   return false;
 }
 
+// The host path's result is the oracle: runs `issue` with host options (`host`, NULL for the defaults) writing into
+// `oracle`, then with `cuda` writing into `out`. False, with the failure recorded, when the rank should stop.
+using IssueIntoFn = std::function<t3d_result_t(const t3d_opts_t *, void *, t3d_request_t **)>;
+bool HostThenCuda(t3d_comm_t *comm, const std::string &what, const t3d_opts_t *host, const t3d_opts_t &cuda,
+                  void *oracle, void *out, const IssueIntoFn &issue) {
+  return RunOk(comm, what + " (host)", [&](t3d_request_t **r) { return issue(host, oracle, r); }) &&
+         CudaOk(comm, what, [&](t3d_request_t **r) { return issue(&cuda, out, r); });
+}
+
 void ExpectCudaUnsupported(t3d_comm_t *comm, const std::string &what, const IssueFn &issue) {
   std::string err;
   const t3d_result_t r = CudaRun(comm, what, issue, &err);
@@ -259,13 +268,10 @@ TEST_P(NcclWorld, Allreduce) {
             EXPECT_EQ(out, Bytes(dt, count)) << Tag(rank, what) << ": an unsupported call wrote its output";
             continue;
           }
-          if (!RunOk(comm, what + " (host)", [&](t3d_request_t **r) {
-                return t3d_allreduce(comm, in.data(), oracle.data(), count, dt, op, &host, r);
-              }))
-            return;
-          if (!CudaOk(comm, what, [&](t3d_request_t **r) {
-                return t3d_allreduce(comm, in.data(), out.data(), count, dt, op, &cuda, r);
-              }))
+          if (!HostThenCuda(comm, what, &host, cuda, oracle.data(), out.data(),
+                            [&](const t3d_opts_t *opts, void *dst, t3d_request_t **r) {
+                              return t3d_allreduce(comm, in.data(), dst, count, dt, op, opts, r);
+                            }))
             return;
           EXPECT_EQ("", CompareBuffers(dt, out.data(), oracle.data(), count, 2 * Tolerance(dt, op)))
               << Tag(rank, what) << " (CUDA vs host)";
@@ -310,14 +316,10 @@ TEST_P(NcclWorld, Reduce) {
               });
               continue;
             }
-            if (!RunOk(comm, what + " (host)", [&](t3d_request_t **r) {
-                  return t3d_reduce(comm, in.data(), rank == root ? oracle.data() : nullptr, count, dt, op, root,
-                                    &host, r);
-                }))
-              return;
-            if (!CudaOk(comm, what, [&](t3d_request_t **r) {
-                  return t3d_reduce(comm, in.data(), recv, count, dt, op, root, &cuda, r);
-                }))
+            if (!HostThenCuda(comm, what, &host, cuda, rank == root ? oracle.data() : nullptr, recv,
+                              [&](const t3d_opts_t *opts, void *dst, t3d_request_t **r) {
+                                return t3d_reduce(comm, in.data(), dst, count, dt, op, root, opts, r);
+                              }))
               return;
             if (rank == root) {
               EXPECT_EQ("", CompareBuffers(dt, out.data(), oracle.data(), count, 2 * Tolerance(dt, op)))
@@ -351,13 +353,10 @@ TEST_P(NcclWorld, ReduceScatter) {
             });
             continue;
           }
-          if (!RunOk(comm, what + " (host)", [&](t3d_request_t **r) {
-                return t3d_reduce_scatter(comm, in.data(), oracle.data(), count, dt, op, &host, r);
-              }))
-            return;
-          if (!CudaOk(comm, what, [&](t3d_request_t **r) {
-                return t3d_reduce_scatter(comm, in.data(), out.data(), count, dt, op, &cuda, r);
-              }))
+          if (!HostThenCuda(comm, what, &host, cuda, oracle.data(), out.data(),
+                            [&](const t3d_opts_t *opts, void *dst, t3d_request_t **r) {
+                              return t3d_reduce_scatter(comm, in.data(), dst, count, dt, op, opts, r);
+                            }))
             return;
           EXPECT_EQ("", CompareBuffers(dt, out.data(), oracle.data(), count, 2 * Tolerance(dt, op)))
               << Tag(rank, what);
@@ -392,13 +391,10 @@ TEST_P(NcclWorld, ReduceScatterv) {
             });
             continue;
           }
-          if (!RunOk(comm, what + " (host)", [&](t3d_request_t **r) {
-                return t3d_reduce_scatterv(comm, in.data(), oracle.data(), counts.data(), dt, op, &host, r);
-              }))
-            return;
-          if (!CudaOk(comm, what, [&](t3d_request_t **r) {
-                return t3d_reduce_scatterv(comm, in.data(), out.data(), counts.data(), dt, op, &cuda, r);
-              }))
+          if (!HostThenCuda(comm, what, &host, cuda, oracle.data(), out.data(),
+                            [&](const t3d_opts_t *opts, void *dst, t3d_request_t **r) {
+                              return t3d_reduce_scatterv(comm, in.data(), dst, counts.data(), dt, op, opts, r);
+                            }))
             return;
           EXPECT_EQ("", CompareBuffers(dt, out.data(), oracle.data(), mine, 2 * Tolerance(dt, op)))
               << Tag(rank, what);
@@ -426,13 +422,10 @@ TEST_P(NcclWorld, AllgatherAndAllgatherv) {
         const std::string what = "allgather " + std::string(t3d_dtype_name(dt)) + " count=" + std::to_string(count);
         Buf in = Bytes(dt, count), out = Bytes(dt, count * n), oracle = Bytes(dt, count * n);
         FillPattern(dt, rank, in.data(), count);
-        if (!RunOk(comm, what + " (host)", [&](t3d_request_t **r) {
-              return t3d_allgather(comm, in.data(), oracle.data(), count, dt, nullptr, r);
-            }))
-          return;
-        if (!CudaOk(comm, what, [&](t3d_request_t **r) {
-              return t3d_allgather(comm, in.data(), out.data(), count, dt, &cuda, r);
-            }))
+        if (!HostThenCuda(comm, what, nullptr, cuda, oracle.data(), out.data(),
+                          [&](const t3d_opts_t *opts, void *dst, t3d_request_t **r) {
+                            return t3d_allgather(comm, in.data(), dst, count, dt, opts, r);
+                          }))
           return;
         EXPECT_EQ("", ByteDiff(out, oracle)) << Tag(rank, what);
         // In place: my block already sits in the output.
@@ -454,15 +447,11 @@ TEST_P(NcclWorld, AllgatherAndAllgatherv) {
         const std::string what = "allgatherv " + std::string(t3d_dtype_name(dt)) + " base=" + std::to_string(base);
         Buf in = Bytes(dt, counts[rank]), out = Bytes(dt, at), oracle = Bytes(dt, at);
         FillPattern(dt, rank, in.data(), counts[rank]);
-        if (!RunOk(comm, what + " (host)", [&](t3d_request_t **r) {
-              return t3d_allgatherv(comm, in.data(), counts[rank], oracle.data(), counts.data(), displs.data(), dt,
-                                    nullptr, r);
-            }))
-          return;
-        if (!CudaOk(comm, what, [&](t3d_request_t **r) {
-              return t3d_allgatherv(comm, in.data(), counts[rank], out.data(), counts.data(), displs.data(), dt,
-                                    &cuda, r);
-            }))
+        if (!HostThenCuda(comm, what, nullptr, cuda, oracle.data(), out.data(),
+                          [&](const t3d_opts_t *opts, void *dst, t3d_request_t **r) {
+                            return t3d_allgatherv(comm, in.data(), counts[rank], dst, counts.data(), displs.data(),
+                                                  dt, opts, r);
+                          }))
           return;
         EXPECT_EQ("", ByteDiff(out, oracle)) << Tag(rank, what) << " (gaps keep their bytes)";
       }
@@ -511,14 +500,11 @@ TEST_P(NcclWorld, GatherScatterEveryRoot) {
             const std::string what = "gather" + suffix;
             Buf in = Bytes(dt, count), out = Bytes(dt, count * n), oracle = Bytes(dt, count * n);
             FillPattern(dt, rank, in.data(), count, 0, 2);
-            if (!RunOk(comm, what + " (host)", [&](t3d_request_t **r) {
-                  return t3d_gather(comm, in.data(), rank == root ? oracle.data() : nullptr, count, dt, root,
-                                    nullptr, r);
-                }))
-              return;
-            if (!CudaOk(comm, what, [&](t3d_request_t **r) {
-                  return t3d_gather(comm, in.data(), rank == root ? out.data() : nullptr, count, dt, root, &cuda, r);
-                }))
+            if (!HostThenCuda(comm, what, nullptr, cuda, rank == root ? oracle.data() : nullptr,
+                              rank == root ? out.data() : nullptr,
+                              [&](const t3d_opts_t *opts, void *dst, t3d_request_t **r) {
+                                return t3d_gather(comm, in.data(), dst, count, dt, root, opts, r);
+                              }))
               return;
             if (rank == root) {
               EXPECT_EQ("", ByteDiff(out, oracle)) << Tag(rank, what);
@@ -529,13 +515,10 @@ TEST_P(NcclWorld, GatherScatterEveryRoot) {
             Buf in = Bytes(dt, count * n), out = Bytes(dt, count), oracle = Bytes(dt, count);
             if (rank == root) FillPattern(dt, root, in.data(), count * n, 0, 3);
             const void *send = rank == root ? in.data() : nullptr;
-            if (!RunOk(comm, what + " (host)", [&](t3d_request_t **r) {
-                  return t3d_scatter(comm, send, oracle.data(), count, dt, root, nullptr, r);
-                }))
-              return;
-            if (!CudaOk(comm, what, [&](t3d_request_t **r) {
-                  return t3d_scatter(comm, send, out.data(), count, dt, root, &cuda, r);
-                }))
+            if (!HostThenCuda(comm, what, nullptr, cuda, oracle.data(), out.data(),
+                              [&](const t3d_opts_t *opts, void *dst, t3d_request_t **r) {
+                                return t3d_scatter(comm, send, dst, count, dt, root, opts, r);
+                              }))
               return;
             EXPECT_EQ("", ByteDiff(out, oracle)) << Tag(rank, what);
           }
@@ -558,13 +541,10 @@ TEST_P(NcclWorld, AlltoallAndAlltoallv) {
         const std::string what = "alltoall " + std::string(t3d_dtype_name(dt)) + " count=" + std::to_string(count);
         Buf in = Bytes(dt, count * n), out = Bytes(dt, count * n), oracle = Bytes(dt, count * n);
         for (int p = 0; p < n; ++p) FillPattern(dt, rank, in.data() + p * count * es, count, p * count, 4);
-        if (!RunOk(comm, what + " (host)", [&](t3d_request_t **r) {
-              return t3d_alltoall(comm, in.data(), oracle.data(), count, dt, nullptr, r);
-            }))
-          return;
-        if (!CudaOk(comm, what, [&](t3d_request_t **r) {
-              return t3d_alltoall(comm, in.data(), out.data(), count, dt, &cuda, r);
-            }))
+        if (!HostThenCuda(comm, what, nullptr, cuda, oracle.data(), out.data(),
+                          [&](const t3d_opts_t *opts, void *dst, t3d_request_t **r) {
+                            return t3d_alltoall(comm, in.data(), dst, count, dt, opts, r);
+                          }))
           return;
         EXPECT_EQ("", ByteDiff(out, oracle)) << Tag(rank, what);
       }
@@ -577,15 +557,11 @@ TEST_P(NcclWorld, AlltoallAndAlltoallv) {
         const std::string what = "alltoallv " + std::string(t3d_dtype_name(dt)) + " base=" + std::to_string(base);
         Buf in = Bytes(dt, s_at), out = Bytes(dt, r_at), oracle = Bytes(dt, r_at);
         for (int p = 0; p < n; ++p) FillPattern(dt, rank, in.data() + sd[p] * es, sc[p], p * 100000, 5);
-        if (!RunOk(comm, what + " (host)", [&](t3d_request_t **r) {
-              return t3d_alltoallv(comm, in.data(), sc.data(), sd.data(), oracle.data(), rc.data(), rd.data(), dt,
-                                   nullptr, r);
-            }))
-          return;
-        if (!CudaOk(comm, what, [&](t3d_request_t **r) {
-              return t3d_alltoallv(comm, in.data(), sc.data(), sd.data(), out.data(), rc.data(), rd.data(), dt, &cuda,
-                                   r);
-            }))
+        if (!HostThenCuda(comm, what, nullptr, cuda, oracle.data(), out.data(),
+                          [&](const t3d_opts_t *opts, void *dst, t3d_request_t **r) {
+                            return t3d_alltoallv(comm, in.data(), sc.data(), sd.data(), dst, rc.data(), rd.data(), dt,
+                                                 opts, r);
+                          }))
           return;
         EXPECT_EQ("", ByteDiff(out, oracle)) << Tag(rank, what) << " (gaps keep their bytes)";
       }
