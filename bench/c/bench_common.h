@@ -5,6 +5,7 @@
 
 #include <stddef.h>
 #include <stdlib.h>
+#include <string.h>
 
 enum { OP_ALLREDUCE, OP_ALLGATHER, OP_REDUCE_SCATTER, OP_ALLTOALL, OP_BROADCAST, OP_SENDRECV, OP_COUNT };
 static const char *const op_names[OP_COUNT] = {"allreduce", "allgather", "reduce_scatter", "alltoall", "broadcast",
@@ -21,6 +22,29 @@ static inline size_t parse_size(const char *s) {
     default: break;
   }
   return (size_t)v;
+}
+
+/* "allreduce,sendrecv" into ops[] (1 for each one named); 0 when a name is unknown. */
+static inline int parse_ops(const char *list, int ops[OP_COUNT]) {
+  for (int i = 0; i < OP_COUNT; i++) ops[i] = 0;
+  char *copy = strdup(list);
+  int ok = copy != NULL;
+  for (char *tok = ok ? strtok(copy, ",") : NULL; tok != NULL && ok; tok = strtok(NULL, ",")) {
+    ok = 0;
+    for (int i = 0; i < OP_COUNT; i++)
+      if (strcmp(tok, op_names[i]) == 0) ops[i] = ok = 1;
+  }
+  free(copy);
+  return ok;
+}
+
+/* Timed and warm-up calls for a message of `bytes` (the -i and -w options override them when > 0): about 256 MiB of
+ * traffic per size, between 5 and 2000 calls, a tenth of that (at least 2) to warm up. */
+static inline void bench_iters(size_t bytes, int iters_opt, int warm_opt, int *iters, int *warm) {
+  int it = iters_opt > 0 ? iters_opt : (int)(256.0 * 1024 * 1024 / (double)bytes);
+  if (iters_opt <= 0) it = it < 5 ? 5 : it > 2000 ? 2000 : it;
+  *iters = it;
+  *warm = warm_opt > 0 ? warm_opt : (it / 10 < 2 ? 2 : it / 10);
 }
 
 /* float32 elements for a message of `bytes`: S is per rank for allreduce, broadcast and sendrecv, the whole buffer

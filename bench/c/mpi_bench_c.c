@@ -73,18 +73,9 @@ int main(int argc, char **argv) {
       case 'w': o.warmup = atoi(optarg); break;
       case 'i': o.iters = atoi(optarg); break;
       case 'c': o.check = atoi(optarg); break;
-      case 'o': {
-        for (int i = 0; i < OP_COUNT; i++) o.ops[i] = 0;
-        char *list = strdup(optarg);
-        for (char *tok = strtok(list, ","); tok != NULL; tok = strtok(NULL, ",")) {
-          int found = 0;
-          for (int i = 0; i < OP_COUNT; i++)
-            if (strcmp(tok, op_names[i]) == 0) o.ops[i] = found = 1;
-          if (!found) usage(argv[0], rank);
-        }
-        free(list);
+      case 'o':
+        if (!parse_ops(optarg, o.ops)) usage(argv[0], rank);
         break;
-      }
       default: usage(argv[0], rank);
     }
   }
@@ -119,9 +110,8 @@ int main(int argc, char **argv) {
     for (size_t bytes = o.minb; bytes <= o.maxb; bytes = bytes * (size_t)o.factor) {
       size_t count = op_count(op, bytes, n);
       size_t real = count * 4;
-      int iters = o.iters > 0 ? o.iters : (int)(256.0 * 1024 * 1024 / (double)real);
-      if (o.iters <= 0) iters = iters < 5 ? 5 : iters > 2000 ? 2000 : iters;
-      int warm = o.warmup > 0 ? o.warmup : (iters / 10 < 2 ? 2 : iters / 10);
+      int iters, warm;
+      bench_iters(real, o.iters, o.warmup, &iters, &warm);
       for (int i = 0; i < warm && rc == 0; i++) rc = run_once(op, sb, rb, count, n);
       MPI_Barrier(MPI_COMM_WORLD);
       double t0 = MPI_Wtime();
