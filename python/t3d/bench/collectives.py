@@ -61,6 +61,15 @@ def iters_for(nbytes: int) -> tuple[int, int]:
 
 # ---------------------------------------------------------------- one rank, torch.distributed backends
 
+def _check_output(run, out, ok):
+    """A check for an op whose inputs never change: poison the output, run once, test it with ok()."""
+    def check():
+        out.fill_(-1.0)
+        run()
+        return bool(ok())
+    return check
+
+
 def _make_op(op: str, nbytes: int, rank: int, n: int, dist, torch, group=None):
     """Buffers, a callable that runs the op once, a check, and the message size S in bytes. `group` (all_reduce
     only, for the dispatch floor): run on that group instead of the world.
@@ -86,42 +95,21 @@ def _make_op(op: str, nbytes: int, rank: int, n: int, dist, torch, group=None):
         x = torch.full((per,), float(rank))
         out = torch.empty(per * n)
         expect = torch.arange(n, dtype=torch.float32).repeat_interleave(per)
-
-        def run():
-            dist.all_gather_into_tensor(out, x)
-
-        def check():
-            out.fill_(-1.0)
-            run()
-            return bool(torch.equal(out, expect))
-        return run, check, per * n * 4
+        run = lambda: dist.all_gather_into_tensor(out, x)  # noqa: E731
+        return run, _check_output(run, out, lambda: torch.equal(out, expect)), per * n * 4
     if op == "reduce_scatter":
         per = max(1, count // n)
         x = torch.full((per * n,), float(rank + 1))
         out = torch.empty(per)
-
-        def run():
-            dist.reduce_scatter_tensor(out, x)
-
-        def check():
-            out.fill_(-1.0)
-            run()
-            return bool(torch.all(out == n * (n + 1) / 2))
-        return run, check, per * n * 4
+        run = lambda: dist.reduce_scatter_tensor(out, x)  # noqa: E731
+        return run, _check_output(run, out, lambda: torch.all(out == n * (n + 1) / 2)), per * n * 4
     if op == "all_to_all":
         per = max(1, count // n)
         x = torch.full((per * n,), float(rank))
         out = torch.empty(per * n)
         expect = torch.arange(n, dtype=torch.float32).repeat_interleave(per)
-
-        def run():
-            dist.all_to_all_single(out, x)
-
-        def check():
-            out.fill_(-1.0)
-            run()
-            return bool(torch.equal(out, expect))
-        return run, check, per * n * 4
+        run = lambda: dist.all_to_all_single(out, x)  # noqa: E731
+        return run, _check_output(run, out, lambda: torch.equal(out, expect)), per * n * 4
     if op == "broadcast":
         x = torch.zeros(count)
 
@@ -142,11 +130,7 @@ def _make_op(op: str, nbytes: int, rank: int, n: int, dist, torch, group=None):
             for w in dist.batch_isend_irecv(ops):
                 w.wait()
 
-        def check():
-            buf.fill_(-1.0)
-            run()
-            return bool(torch.all(buf == float((rank - 1) % n)))
-        return run, check, count * 4
+        return run, _check_output(run, buf, lambda: torch.all(buf == float((rank - 1) % n))), count * 4
     raise ValueError(f"unknown op {op!r}")
 
 
