@@ -226,18 +226,41 @@ static void complete(t3d_request_t *r, t3d_result_t res, const char *msg) {
 
 void t3d__request_complete(t3d_request_t *req, t3d_result_t res, const char *msg) { complete(req, res, msg); }
 
+/* Point-to-point over shared memory progresses only when someone runs a pass: a waiter does. */
+static int drive(t3d_request_t *req) {
+  if (!req->on_shm || atomic_load_explicit(&req->done, memory_order_acquire)) return 0;
+  return t3d__shm_p2p_progress(req->comm->shm_p2p);
+}
+
 t3d_result_t t3d_test(t3d_request_t *req) {
   if (req == NULL) return T3D_ERR_INVALID_ARG;
+  drive(req);
   if (!atomic_load_explicit(&req->done, memory_order_acquire)) return T3D_IN_PROGRESS;
   return req->result;
 }
 
+int t3d_request_poll(t3d_request_t *req, uint64_t *since) {
+  if (req == NULL || since == NULL) return 1;
+  if (!req->on_shm) return t3d_backoff_poll(since);
+  if (atomic_load_explicit(&req->done, memory_order_acquire)) return 1;
+  if (drive(req) > 0) {
+    *since = 0;
+    return 0;
+  }
+  /* Nobody else runs the passes this request needs: past the spin and yield phases, sleep on this rank's doorbell,
+   * which peers ring when they publish something for it. */
+  if (t3d_backoff_poll(since)) t3d__shm_p2p_sleep(req->comm->shm_p2p, req, 1000000);
+  return 0;
+}
+
 t3d_result_t t3d_wait(t3d_request_t *req, int64_t timeout_ms) {
   if (req == NULL) return T3D_ERR_INVALID_ARG;
-  /* Spin a little, then yield (the progress threads may need this core), then sleep on the condition variable. */
-  t3d_backoff_t b = {0};
+  /* Spin a little, then yield (the progress threads may need this core), then sleep on the condition variable.
+   * Point-to-point over shared memory keeps polling (t3d_request_poll) until done or timeout_ms. */
+  uint64_t since = 0;
+  uint64_t until = timeout_ms >= 0 ? t3d__now_ns() + (uint64_t)timeout_ms * 1000000ull : UINT64_MAX;
   while (!atomic_load_explicit(&req->done, memory_order_acquire)) {
-    if (t3d__backoff_poll(&b)) break;
+    if (t3d_request_poll(req, &since) || t3d__now_ns() > until) break;
   }
   struct timespec dl;
   clock_gettime(CLOCK_REALTIME, &dl);
@@ -318,6 +341,13 @@ t3d_result_t t3d__submit(t3d_comm_t *comm, t3d_request_t *r, t3d_request_t **out
     comm->group_tail = r;
     return T3D_OK;
   }
+  if (!coll && comm->shm_p2p != NULL && r->memtype == T3D_MEM_HOST) {
+    /* Same-host point-to-point is posted here, on the caller's thread, in issue order. */
+    pthread_mutex_unlock(&comm->mu);
+    if (atomic_load(&comm->aborted)) complete(r, T3D_ERR_ABORTED, "t3d: point-to-point operation aborted");
+    else t3d__shm_p2p_post(comm->shm_p2p, &r, 1);
+    return T3D_OK;
+  }
   if (r->memtype == T3D_MEM_CUDA) {
     /* NCCL enqueues on the caller's stream at once; an error is the call's, and no request is handed out. */
     pthread_mutex_unlock(&comm->mu);
@@ -367,7 +397,16 @@ t3d_result_t t3d_group_end(t3d_comm_t *comm, t3d_request_t **req) {
     ncuda += c->memtype == T3D_MEM_CUDA;
   }
   t3d_request_t **cuda = ncuda > 0 ? malloc(sizeof *cuda * (size_t)ncuda) : NULL;
-  if (ncuda > 0 && cuda == NULL) {
+  /* Same-host point-to-point children are posted here, on the caller's thread, before the others are issued. */
+  int nshm = 0;
+  if (comm->shm_p2p != NULL) {
+    for (t3d_request_t *c = comm->group_head; c != NULL; c = c->next_child)
+      nshm += c->memtype == T3D_MEM_HOST && !is_collective(c->kind);
+  }
+  t3d_request_t **shm = nshm > 0 ? malloc(sizeof *shm * (size_t)nshm) : NULL;
+  if ((ncuda > 0 && cuda == NULL) || (nshm > 0 && shm == NULL)) {
+    free(cuda);
+    free(shm);
     t3d__request_release(g);
     t3d__request_release(g);
     return t3d__set_error(comm, T3D_ERR_NO_MEMORY, "t3d_group_end: out of memory on rank %d", comm->rank);
@@ -375,12 +414,15 @@ t3d_result_t t3d_group_end(t3d_comm_t *comm, t3d_request_t **req) {
   t3d_request_t *c = comm->group_head, *next, **host_tail = &g->children;
   comm->group_head = comm->group_tail = NULL;
   ncuda = 0;
+  nshm = 0;
   for (; c != NULL; c = next) {
     next = c->next_child;
     c->next_child = NULL;
     c->parent = g;
     if (c->memtype == T3D_MEM_CUDA) {
       cuda[ncuda++] = c;
+    } else if (shm != NULL && !is_collective(c->kind)) {
+      shm[nshm++] = c;
     } else {
       *host_tail = c;
       host_tail = &c->next_child;
@@ -388,6 +430,14 @@ t3d_result_t t3d_group_end(t3d_comm_t *comm, t3d_request_t **req) {
   }
   /* One extra count held by the engine until every child has been issued, so the group cannot complete early. */
   atomic_init(&g->pending_children, n + 1);
+  if (nshm > 0) {
+    if (atomic_load(&comm->aborted)) {
+      for (int i = 0; i < nshm; i++) complete(shm[i], T3D_ERR_ABORTED, "t3d: point-to-point operation aborted");
+    } else {
+      t3d__shm_p2p_post(comm->shm_p2p, shm, nshm);
+    }
+  }
+  free(shm);
   if (ncuda > 0) t3d__nccl_run(comm, cuda, ncuda, 1);
   free(cuda);
   if (g->children != NULL) {
@@ -675,7 +725,8 @@ static void run_request(t3d_comm_t *comm, t3d_request_t *r) {
       complete(r, T3D_ERR_ABORTED, "t3d: point-to-point operation aborted");
       return;
     }
-    post_p2p(comm, r);
+    if (comm->shm_p2p != NULL && r->memtype == T3D_MEM_HOST) t3d__shm_p2p_post(comm->shm_p2p, &r, 1);
+    else post_p2p(comm, r);
   } else if (r->kind == T3D_OP_GROUP) {
     /* Point-to-point first: any pairing of sends and receives inside the group then matches without deadlock. */
     t3d_request_t *c, *next;
@@ -727,12 +778,19 @@ static void *progress_main(void *arg) {
         dl.tv_nsec -= 1000000000L;
       }
       int rc = pthread_cond_timedwait(&comm->cv, &comm->mu, &dl);
-      if (rc == ETIMEDOUT) {
+      /* Also on an abort's signal: pending shared-memory point-to-point then fails at once. */
+      if (rc == ETIMEDOUT || atomic_load(&comm->aborted)) {
         pthread_mutex_unlock(&comm->mu);
         comm->tp->progress(comm->tp_state);
+        /* Same-host point-to-point is driven by its waiters; this catches deadlines, aborts and sends queued behind
+         * a full ring when nobody waits. */
+        int active = t3d__shm_p2p_active(comm->shm_p2p);
+        if (active) t3d__shm_p2p_progress(comm->shm_p2p);
         pthread_mutex_lock(&comm->mu);
-        if (idle_ms < 64) idle_ms *= 2;
+        if (idle_ms < 64 && !active) idle_ms *= 2;
+        else if (active) idle_ms = idle_ms > 4 ? 4 : idle_ms;
       }
+      if (comm->stop && t3d__shm_p2p_active(comm->shm_p2p)) idle_ms = 1;
     }
     t3d_request_t *r = comm->busy ? NULL : comm->q_head;
     if (r != NULL) {
@@ -740,7 +798,8 @@ static void *progress_main(void *arg) {
       if (comm->q_head == NULL) comm->q_tail = NULL;
       comm->busy = 1;
     }
-    int stop = comm->stop && comm->q_head == NULL && !comm->busy && comm->active_p2p == NULL;
+    int stop = comm->stop && comm->q_head == NULL && !comm->busy && comm->active_p2p == NULL &&
+               !t3d__shm_p2p_active(comm->shm_p2p);
     pthread_mutex_unlock(&comm->mu);
     if (stop) break;
     idle_ms = 1;
@@ -823,7 +882,12 @@ static t3d_result_t setup_shm(t3d_comm_t *comm, const char *want) {
   if (same) {
     t3d__backoff_note_ranks(comm->size); /* first: the segment's waiters follow it */
     T3D_CHECK(t3d__shm_init(comm, &comm->shm));
-    return T3D_OK;
+    t3d_result_t res = t3d__shm_p2p_attach(comm, comm->shm, &comm->shm_p2p);
+    if (res != T3D_OK) {
+      t3d__shm_fini(comm->shm);
+      comm->shm = NULL;
+    }
+    return res;
   }
   if (strcmp(want, "shm") == 0) {
     return t3d__set_error(comm, T3D_ERR_UNSUPPORTED,
@@ -878,6 +942,7 @@ t3d_result_t t3d_comm_init(t3d_comm_t **out, int rank, int size, const t3d_store
   if (res == T3D_OK) {
     res = t3d__nccl_new(&comm->nccl);
     if (res != T3D_OK) {
+      t3d__shm_p2p_free(comm->shm_p2p);
       t3d__shm_fini(comm->shm);
       comm->tp->fini(comm->tp_state);
     }
@@ -885,6 +950,7 @@ t3d_result_t t3d_comm_init(t3d_comm_t **out, int rank, int size, const t3d_store
   if (res == T3D_OK && pthread_create(&comm->thread, NULL, progress_main, comm) != 0) {
     res = t3d__set_error(comm, T3D_ERR_SYSTEM, "t3d_comm_init: cannot start the progress thread on rank %d", rank);
     t3d__nccl_free(comm->nccl, 0);
+    t3d__shm_p2p_free(comm->shm_p2p);
     t3d__shm_fini(comm->shm);
     comm->tp->fini(comm->tp_state);
   }
@@ -911,6 +977,7 @@ t3d_result_t t3d_comm_destroy(t3d_comm_t *comm) {
     pthread_join(comm->thread, NULL);
   }
   t3d__nccl_free(comm->nccl, comm->timeout_ms);
+  t3d__shm_p2p_free(comm->shm_p2p);
   t3d__shm_fini(comm->shm);
   comm->tp->fini(comm->tp_state);
   comm_free(comm);

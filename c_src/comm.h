@@ -53,6 +53,11 @@ struct t3d_request {
   int64_t tag;
   size_t *arrays; /* copied counts/displacements, one allocation */
   size_t *scounts, *sdispls, *rcounts, *rdispls;
+  /* point-to-point over shared memory (shm/p2p.c): on_shm, also on a group with such children (waiters then
+   * drive progress), and a rendezvous send's record */
+  int on_shm;
+  uint32_t shm_rec;
+  uint64_t shm_gen;
   /* point-to-point results */
   t3d_xfer_t xfer;
   int source;
@@ -78,6 +83,7 @@ struct t3d_comm {
   const t3d_transport_t *tp;
   void *tp_state;
   t3d_shm_t *shm; /* same-host collectives, or NULL */
+  t3d_shm_p2p_t *shm_p2p; /* same-host point-to-point, or NULL (then UCX) */
   t3d_nccl_t *nccl; /* CUDA buffers (c_src/nccl/) */
   char transport[16]; /* what was asked for: auto, ucx or shm (splits inherit it) */
 

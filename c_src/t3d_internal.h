@@ -160,6 +160,21 @@ t3d_result_t t3d__exec_check(t3d_exec_t *ex, const char *waiting_for);
  * Set up at init when every rank of the communicator is on this host (and T3D_TRANSPORT is not "ucx"). The
  * functions have the algorithms' signatures and contracts (see below); the engine picks them when comm has them. */
 typedef struct t3d_shm t3d_shm_t;
+/* Point-to-point over the segment (shm/p2p.c), when every rank can use it (t3d__shm_p2p_ready): sends and receives
+ * are posted on the caller's thread and progressed by whoever waits. */
+typedef struct t3d_shm_p2p t3d_shm_p2p_t;
+/* Makes shm's point-to-point state, or sets *out = NULL when the communicator cannot use it. */
+t3d_result_t t3d__shm_p2p_attach(t3d_comm_t *comm, t3d_shm_t *shm, t3d_shm_p2p_t **out);
+void t3d__shm_p2p_free(t3d_shm_p2p_t *p);
+/* Posts n sends and receives (host memory, in issue order) and runs a pass; completes what finished. */
+void t3d__shm_p2p_post(t3d_shm_p2p_t *p, t3d_request_t **reqs, int n);
+/* Runs a pass unless another thread is running one; returns how many requests completed. */
+int t3d__shm_p2p_progress(t3d_shm_p2p_t *p);
+/* Nonzero while some posted request has not completed. */
+int t3d__shm_p2p_active(t3d_shm_p2p_t *p);
+/* For a waiter on req with nothing left to poll: sleeps until a peer publishes something for this rank (or frees
+ * room it waits for), at most max_ns. */
+void t3d__shm_p2p_sleep(t3d_shm_p2p_t *p, const t3d_request_t *req, uint64_t max_ns);
 /* Collective over the communicator, on the caller's thread; uses the store (t3d__store_set/get in comm.h). */
 t3d_result_t t3d__shm_init(t3d_comm_t *comm, t3d_shm_t **shm);
 void t3d__shm_fini(t3d_shm_t *shm);

@@ -33,6 +33,13 @@ void CommHandle::freeRequest(t3d_request_t* req) {
   if (state == kAlive) t3d_request_free(req);
 }
 
+int CommHandle::poll(t3d_request_t* req, uint64_t* since) {
+  pollers.fetch_add(1);
+  int block = state.load() == kAlive && req != nullptr ? t3d_request_poll(req, since) : t3d_backoff_poll(since);
+  pollers.fetch_sub(1);
+  return block;
+}
+
 void CommHandle::abort() {
   std::lock_guard<std::mutex> lk(mu);
   if (state != kDead && comm != nullptr) t3d_comm_abort(comm);
@@ -44,6 +51,8 @@ void CommHandle::destroy() {
     if (state != kAlive || comm == nullptr) return;
     state = kDestroying;
   }
+  // A waiter inside poll() leaves within a millisecond; none enters after the state changed.
+  while (pollers.load() != 0) std::this_thread::yield();
   t3d_comm_destroy(comm);
   std::lock_guard<std::mutex> lk(mu);
   state = kDead;
@@ -236,7 +245,7 @@ bool WorkT3D::wait(std::chrono::milliseconds timeout) {
   // from a condition variable costs tens of them; with more ranks than cores the library cuts polling short.
   const auto start = std::chrono::steady_clock::now();
   uint64_t since = 0;
-  while (!done_.load(std::memory_order_acquire) && !t3d_backoff_poll(&since)) {
+  while (!done_.load(std::memory_order_acquire) && !(comm_ ? comm_->poll(req_, &since) : t3d_backoff_poll(&since))) {
   }
   std::unique_lock<std::mutex> lk(mutex_);
   bool done = cv_.wait_until(lk, start + std::chrono::milliseconds(ms), [this] { return completed_; });

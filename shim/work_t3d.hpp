@@ -28,10 +28,13 @@ struct CommHandle {
   enum State { kAlive, kDestroying, kDead };
   t3d_comm_t* comm = nullptr;
   std::mutex mu;
-  State state = kAlive;
+  std::atomic<State> state{kAlive};
+  std::atomic<int> pollers{0};  // threads inside poll(): destroy() waits for them to leave the library
 
   explicit CommHandle(t3d_comm_t* c) : comm(c) {}
   ~CommHandle();
+  // One poll of a waiter on req (t3d_request_poll: it also progresses same-host point-to-point); 1: block now.
+  int poll(t3d_request_t* req, uint64_t* since);
   // Frees a request unless the communicator is gone (then t3d released it) or being torn down right now.
   void freeRequest(t3d_request_t* req);
   void abort();

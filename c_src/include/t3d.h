@@ -152,6 +152,10 @@ const char *t3d_thread_last_error(void);
  * process may use cores), then yield for 2 ms (T3D_YIELD_NS; 20 us, T3D_YIELD_NS_OVERSUBSCRIBED, with more ranks
  * than cores, where every poller takes turns from the ranks that have work). */
 int t3d_backoff_poll(uint64_t *since);
+/* t3d_backoff_poll for a thread waiting on req: also runs the progress req needs (same-host point-to-point is
+ * progressed by its waiters, not by a background thread) and, for such a request, never asks the caller to block
+ * (it naps ~20 us instead once past the yield phase). Returns 1 when req is done or the caller should block. */
+int t3d_request_poll(t3d_request_t *req, uint64_t *since);
 
 /* Collectives. Counts are in elements of dtype. sendbuf == recvbuf means in place. Buffers must stay valid until the
  * request completes; count/displacement arrays are copied at call time. */

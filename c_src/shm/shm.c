@@ -12,6 +12,7 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 /* ---------- tuning ---------- */
@@ -33,13 +34,34 @@ static uint32_t random_bits(void) {
   return (uint32_t)x;
 }
 
-static size_t layout_bytes(int n, size_t half) {
+static size_t data_end(int n, size_t half) {
   return T3D_SHM_PAGE + round_up((size_t)n * T3D_SHM_CTRL_STRIDE, T3D_SHM_PAGE) + (size_t)n * 2 * half;
+}
+
+static size_t layout_bytes(int n, size_t half, size_t p2p_eager, unsigned p2p_slots) {
+  return data_end(n, half) + round_up(t3d__shm_p2p_bytes(n, p2p_eager, p2p_slots), T3D_SHM_PAGE);
 }
 
 static void layout(t3d_shm_t *s) {
   s->ctrl = s->base + T3D_SHM_PAGE;
   s->data = s->ctrl + round_up((size_t)s->size * T3D_SHM_CTRL_STRIDE, T3D_SHM_PAGE);
+  s->p2p_region = s->base + data_end(s->size, s->half);
+}
+
+/* Point-to-point reads a peer's buffer with process_vm_readv (cross-memory attach), which a seccomp filter, the Yama
+ * LSM or differing users can forbid. Each rank checks that it can read this word in another rank's process. */
+static const uint64_t cma_probe_word = T3D_SHM_MAGIC;
+
+static int cma_works(int pid, unsigned long long addr) {
+  if (pid == (int)getpid()) return 1;
+  uint64_t got = 0;
+  struct iovec local = {&got, sizeof got}, remote = {(void *)(uintptr_t)addr, sizeof got};
+  return process_vm_readv(pid, &local, 1, &remote, 1, 0) == (ssize_t)sizeof got && got == T3D_SHM_MAGIC;
+}
+
+/* This rank wants point-to-point over shared memory (T3D_SHM_P2P, default 1) and can read rank pid's probe word. */
+static int p2p_usable(int pid, unsigned long long addr) {
+  return t3d__env_int("T3D_SHM_P2P", 1) != 0 && cma_works(pid, addr);
 }
 
 /* Rank 0: creates, sizes and maps the segment. On failure writes the reason into err. */
@@ -49,7 +71,10 @@ static t3d_result_t create_segment(t3d_comm_t *comm, t3d_shm_t *s, size_t rank_b
   size_t min_half = round_up((size_t)s->size * 64 * 4, T3D_SHM_PAGE);
   if (half < min_half) half = min_half;
   if (half < 64 * 1024) half = 64 * 1024;
-  size_t total = layout_bytes(s->size, half);
+  size_t eager = 0;
+  unsigned slots = 0;
+  t3d__shm_p2p_sizes(s->size, &eager, &slots);
+  size_t total = layout_bytes(s->size, half, eager, slots);
   int fd = -1;
   for (int attempt = 0; attempt < 8 && fd < 0; attempt++) {
     snprintf(s->name, sizeof s->name, "/t3d-%d-%u-%08x", (int)getpid(), atomic_fetch_add(&segment_counter, 1),
@@ -89,6 +114,10 @@ static t3d_result_t create_segment(t3d_comm_t *comm, t3d_shm_t *s, size_t rank_b
   hdr->nranks = (uint64_t)s->size;
   hdr->half = half;
   hdr->total = total;
+  hdr->p2p_eager = eager;
+  hdr->p2p_slots = slots;
+  s->p2p_eager = eager;
+  s->p2p_slots = slots;
   hdr->magic = T3D_SHM_MAGIC; /* published to the others through the store, which orders it */
   layout(s);
   return T3D_OK;
@@ -123,11 +152,14 @@ static t3d_result_t attach_segment(t3d_shm_t *s, char *err, size_t errlen) {
   s->map_bytes = total;
   const t3d_shm_header_t *hdr = (const t3d_shm_header_t *)(const void *)s->base;
   if (hdr->magic != T3D_SHM_MAGIC || hdr->nranks != (uint64_t)s->size || hdr->total != total ||
-      layout_bytes(s->size, (size_t)hdr->half) != total) {
+      hdr->p2p_slots > 1024 || hdr->p2p_eager > (1u << 20) ||
+      layout_bytes(s->size, (size_t)hdr->half, (size_t)hdr->p2p_eager, (unsigned)hdr->p2p_slots) != total) {
     snprintf(err, errlen, "segment %s does not hold a %d-rank t3d layout", s->name, s->size);
     return T3D_ERR_SYSTEM;
   }
   s->half = (size_t)hdr->half;
+  s->p2p_eager = (size_t)hdr->p2p_eager;
+  s->p2p_slots = (unsigned)hdr->p2p_slots;
   layout(s);
   return T3D_OK;
 }
@@ -145,9 +177,11 @@ static void read_tuning(t3d_shm_t *s) {
   s->cpu_aware = t3d__cores_filled() && !t3d__oversubscribed();
 }
 
-/* "name", or "!reason" when rank 0 failed. Each other rank answers "mapped/<rank>" with "1" or "!reason"; rank 0
- * unlinks the name once all answered and publishes "ready" ("1" or "!reason"), so a failure anywhere fails init on
- * every rank, and no file outlives init. */
+/* "name pid probe", or "!reason" when rank 0 failed. Each other rank answers "mapped/<rank>" with "1 ok pid probe"
+ * (ok: it can use point-to-point over the segment, reading rank 0's probe word) or "!reason"; rank 0 unlinks the
+ * name once all answered and publishes "ready" ("1 ok": every rank, rank 0 reading rank 1's word, can; or
+ * "!reason"), so a failure anywhere fails init on every rank, all ranks agree on how point-to-point goes, and no
+ * file outlives init. */
 t3d_result_t t3d__shm_init(t3d_comm_t *comm, t3d_shm_t **out) {
   *out = NULL;
   t3d_shm_t *s = calloc(1, sizeof *s);
@@ -169,7 +203,10 @@ t3d_result_t t3d__shm_init(t3d_comm_t *comm, t3d_shm_t **out) {
     int64_t want = t3d__env_int("T3D_SHM_BYTES", DEFAULT_RANK_BYTES);
     t3d_result_t cres = create_segment(comm, s, want > 0 ? (size_t)want : DEFAULT_RANK_BYTES, err, sizeof err);
     char msg[720];
-    if (cres == T3D_OK) snprintf(msg, sizeof msg, "%s", s->name);
+    if (cres == T3D_OK) {
+      snprintf(msg, sizeof msg, "%s %d %llx", s->name, (int)getpid(),
+               (unsigned long long)(uintptr_t)&cma_probe_word);
+    }
     else snprintf(msg, sizeof msg, "!%s", err);
     res = t3d__store_set(comm, "shm/name", msg, strlen(msg) + 1);
     if (cres != T3D_OK) {
@@ -181,21 +218,30 @@ t3d_result_t t3d__shm_init(t3d_comm_t *comm, t3d_shm_t **out) {
       goto fail;
     }
     t3d_result_t peers = T3D_OK;
+    int p2p_ok = comm->size > 1;
     for (int p = 1; p < comm->size && peers == T3D_OK; p++) {
       snprintf(key, sizeof key, "shm/mapped/%d", p);
       peers = t3d__store_get(comm, key, &v, &len);
-      if (peers == T3D_OK && (len == 0 || ((char *)v)[0] == '!')) {
+      int ok = 0, pid = 0;
+      unsigned long long addr = 0;
+      if (peers == T3D_OK && len > 0 && ((char *)v)[len - 1] == '\0' &&
+          sscanf((char *)v, "1 %d %d %llx", &ok, &pid, &addr) == 3) {
+        p2p_ok &= ok != 0 && (p != 1 || p2p_usable(pid, addr));
+      } else if (peers == T3D_OK && (len == 0 || ((char *)v)[0] == '!')) {
         snprintf(err, sizeof err, "rank %d could not map the segment: %.*s", p, (int)(len > 1 ? len - 2 : 0),
                  len > 1 ? (char *)v + 1 : "");
         peers = T3D_ERR_SYSTEM;
       } else if (peers != T3D_OK) {
         snprintf(err, sizeof err, "rank %d did not say it mapped the segment (%s)", p, t3d_result_string(peers));
+      } else {
+        p2p_ok = 0;
       }
       free(v);
       v = NULL;
     }
     shm_unlink(s->name);
-    if (peers == T3D_OK) snprintf(msg, sizeof msg, "1");
+    s->p2p_ok = p2p_ok;
+    if (peers == T3D_OK) snprintf(msg, sizeof msg, "1 %d", p2p_ok);
     else snprintf(msg, sizeof msg, "!%s", err);
     res = t3d__store_set(comm, "shm/ready", msg, strlen(msg) + 1);
     if (peers != T3D_OK) {
@@ -205,20 +251,25 @@ t3d_result_t t3d__shm_init(t3d_comm_t *comm, t3d_shm_t **out) {
     if (res != T3D_OK) goto fail;
   } else {
     T3D_CHECK_GOTO(t3d__store_get(comm, "shm/name", &v, &len), res, fail);
-    if (len == 0 || ((char *)v)[0] == '!' || len > sizeof s->name) {
+    int pid0 = 0;
+    unsigned long long addr0 = 0;
+    if (len == 0 || ((char *)v)[0] == '!' || ((char *)v)[len - 1] != '\0' ||
+        sscanf((char *)v, "%63s %d %llx", s->name, &pid0, &addr0) != 3) {
       res = t3d__set_error(comm, T3D_ERR_SYSTEM, "t3d_comm_init: rank %d of group '%s': rank 0 could not set up "
                            "shared memory: %.*s", comm->rank, comm->name, (int)(len > 1 ? len - 2 : 0),
                            len > 1 ? (char *)v + 1 : "");
       goto fail;
     }
-    memcpy(s->name, v, len);
-    s->name[sizeof s->name - 1] = '\0';
     free(v);
     v = NULL;
     t3d_result_t ares = attach_segment(s, err, sizeof err);
     char msg[720];
-    if (ares == T3D_OK) snprintf(msg, sizeof msg, "1");
-    else snprintf(msg, sizeof msg, "!%s", err);
+    if (ares == T3D_OK) {
+      snprintf(msg, sizeof msg, "1 %d %d %llx", p2p_usable(pid0, addr0), (int)getpid(),
+               (unsigned long long)(uintptr_t)&cma_probe_word);
+    } else {
+      snprintf(msg, sizeof msg, "!%s", err);
+    }
     snprintf(key, sizeof key, "shm/mapped/%d", comm->rank);
     res = t3d__store_set(comm, key, msg, strlen(msg) + 1);
     if (ares != T3D_OK) {
@@ -227,17 +278,19 @@ t3d_result_t t3d__shm_init(t3d_comm_t *comm, t3d_shm_t **out) {
     }
     if (res != T3D_OK) goto fail;
     T3D_CHECK_GOTO(t3d__store_get(comm, "shm/ready", &v, &len), res, fail);
-    if (len == 0 || ((char *)v)[0] != '1') {
+    int p2p_ok = 0;
+    if (len == 0 || ((char *)v)[len - 1] != '\0' || sscanf((char *)v, "1 %d", &p2p_ok) != 1) {
       res = t3d__set_error(comm, T3D_ERR_SYSTEM, "t3d_comm_init: rank %d of group '%s': shared memory set-up failed: "
                            "%.*s", comm->rank, comm->name, (int)(len > 1 ? len - 2 : 0), len > 1 ? (char *)v + 1 : "");
       goto fail;
     }
+    s->p2p_ok = p2p_ok;
     free(v);
     v = NULL;
   }
   read_tuning(s);
-  T3D_INFO("group '%s' rank %d: shared memory %s, %zu bytes, halves of %zu bytes", comm->name, comm->rank, s->name,
-           s->map_bytes, s->half);
+  T3D_INFO("group '%s' rank %d: shared memory %s, %zu bytes, halves of %zu bytes, point-to-point %s", comm->name,
+           comm->rank, s->name, s->map_bytes, s->half, s->p2p_ok ? "over shared memory" : "over UCX");
   *out = s;
   return T3D_OK;
 fail:
@@ -302,6 +355,9 @@ void t3d__shm_backoff(t3d_shm_t *s, t3d_backoff_t *b, int p, uint64_t target, ui
     uint32_t cpu = atomic_load_explicit(t3d__shm_cpu(s, p), memory_order_relaxed);
     running = cpu != 0 && cpu != (uint32_t)sched_getcpu() + 1u;
   }
+  /* A rank waiting here may hold up point-to-point that only this process can move: its sends queued behind a full
+   * ring, or a peer's rendezvous read of it. */
+  if (s->p2p != NULL && t3d__shm_p2p_progress(s->p2p) > 0) t3d__backoff_reset(b);
   if (!(running ? t3d__backoff_poll_running(b) : t3d__backoff_poll(b))) return;
   uint64_t max_ns = 1000000;
   if (until != 0) {

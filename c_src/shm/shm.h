@@ -16,8 +16,10 @@
  *            (the adjacent-line prefetcher fetches lines in pairs), the count of ranks asleep on that flag and the
  *            CPU the rank last ran t3d code on; then one 64-byte op-info line per half
  *   data     per rank two halves of `half` bytes; step t of the communicator uses half t & 1 of every rank
- * A rank writes only its own flag, info lines and halves. */
-#define T3D_SHM_MAGIC 0x3130304d48534433ull /* "3DSHM001" */
+ *   p2p      point-to-point (p2p.c): per rank T3D_SHM_P2P_RECORDS rendezvous records, then one ring of slots per
+ *            ordered pair (sender, receiver)
+ * A rank writes only its own flag, info lines and halves (and, in p2p, what p2p.c says). */
+#define T3D_SHM_MAGIC 0x3230304d48534433ull /* "3DSHM002" */
 #define T3D_SHM_CTRL_STRIDE 256
 #define T3D_SHM_SLEEPERS_OFFSET 64
 #define T3D_SHM_CPU_OFFSET 96
@@ -29,6 +31,8 @@ typedef struct t3d_shm_header {
   uint64_t nranks;
   uint64_t half;
   uint64_t total;
+  uint64_t p2p_eager; /* point-to-point: bytes a slot carries (p2p.c) */
+  uint64_t p2p_slots; /* slots per ring */
 } t3d_shm_header_t;
 
 /* Written by a rank into the info line of the half it uses, before it publishes the first step of an operation;
@@ -57,6 +61,11 @@ struct t3d_shm {
                        * (measured here: they win from 4 MiB, lose at 2 MiB, where the output still fits the caches) */
   int nt;             /* the CPU has a non-temporal store path */
   int cpu_aware;      /* as many ranks as cores: publish the CPU, spin while the awaited peer runs elsewhere */
+  char *p2p_region;   /* point-to-point rings and records (p2p.c) */
+  size_t p2p_eager;
+  unsigned p2p_slots;
+  int p2p_ok;         /* every rank can use the region (cross-memory attach works, T3D_SHM_P2P is not 0) */
+  t3d_shm_p2p_t *p2p; /* the communicator's point-to-point over the region, once made (comm.c) */
   int *pending;       /* scratch: ranks still awaited */
   const void **srcs;  /* scratch: one source per rank */
   size_t *offs;       /* scratch: one offset per rank */
@@ -131,6 +140,14 @@ void t3d__shm_put_info(t3d_shm_t *s, const t3d_shm_step_t *st, int kind, uint64_
 /* After waiting for peer's first phase: T3D_ERR_MISMATCH (with ex->error) unless it runs the same operation. */
 t3d_result_t t3d__shm_check_info(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step_t *st, int peer, int kind,
                                  uint64_t sig);
+
+/* ---------- point-to-point (p2p.c) ---------- */
+#define T3D_SHM_P2P_RECORDS 256u
+/* Bytes of the point-to-point region for n ranks, and rank 0's choice of its sizes. */
+size_t t3d__shm_p2p_bytes(int n, size_t eager, unsigned slots);
+void t3d__shm_p2p_sizes(int n, size_t *eager, unsigned *slots);
+t3d_result_t t3d__shm_p2p_new(t3d_comm_t *comm, t3d_shm_t *s, char *region, size_t eager, unsigned slots,
+                              t3d_shm_p2p_t **out);
 
 /* ---------- kernels (kernels.c) ---------- */
 /* Nonzero when a non-temporal store path exists on this CPU (AVX-512F or AVX). */
