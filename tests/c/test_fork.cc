@@ -1,4 +1,5 @@
-// test_fork.cc: ranks as real processes over the file store: a clean multi-process run, and the death of a rank
+// test_fork.cc: ranks as real processes over the file store: a clean multi-process run (collectives, then
+// point-to-point, whose large messages are read from the sender's process), and the death of a rank
 // (SIGKILL), after which the survivors must fail with an error naming the collective instead of hanging.
 // Children never touch gtest: they report through their exit code and one line each on a pipe.
 #include <gtest/gtest.h>
@@ -137,6 +138,35 @@ struct ChildArgs {
       code = kExitDestroy;
     }
     _exit(code);
+  }
+  // Point-to-point between processes: a ring shift of a small message (it travels inside a shared-memory slot) and
+  // of a 1 MiB one (the receiver reads it from the sender's process: process_vm_readv).
+  for (size_t n : {size_t{3}, size_t{1} << 18}) {
+    std::vector<float> sbuf(n), rbuf(n);
+    const int next = (a.rank + 1) % kWorld, prev = (a.rank + kWorld - 1) % kWorld;
+    for (int it = 0; it < 5; ++it) {
+      for (size_t i = 0; i < n; ++i) sbuf[i] = static_cast<float>(a.rank * 1000 + it * 10 + static_cast<int>(i % 7));
+      t3d_request_t *rq = nullptr, *sq = nullptr;
+      r = t3d_recv(comm, rbuf.data(), n, T3D_FLOAT32, prev, it, nullptr, &rq);
+      if (r == T3D_OK) r = t3d_send(comm, sbuf.data(), n, T3D_FLOAT32, next, it, nullptr, &sq);
+      if (r == T3D_OK) r = t3d_wait(sq, 10 * kCommTimeoutMs);
+      if (r == T3D_OK) r = t3d_wait(rq, 10 * kCommTimeoutMs);
+      if (r != T3D_OK) {
+        Report(a.report_fd, a.rank, "send/recv of %zu floats, iteration %d: %s: %s", n, it, t3d_result_string(r),
+               rq ? t3d_request_error(rq) : t3d_comm_last_error(comm));
+        _exit(kExitCallFailed);
+      }
+      t3d_request_free(rq);
+      t3d_request_free(sq);
+      for (size_t i = 0; i < n; ++i) {
+        const float want = static_cast<float>(prev * 1000 + it * 10 + static_cast<int>(i % 7));
+        if (rbuf[i] != want) {
+          Report(a.report_fd, a.rank, "recv of %zu floats, iteration %d, element %zu: got %g expected %g", n, it, i,
+                 rbuf[i], want);
+          _exit(kExitWrongResult);
+        }
+      }
+    }
   }
   r = t3d_comm_destroy(comm);
   if (r != T3D_OK) {

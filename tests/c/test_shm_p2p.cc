@@ -1,0 +1,227 @@
+// test_shm_p2p.cc: point-to-point between ranks of one host (c_src/shm/p2p.c): more messages than a ring holds
+// before any receive exists, order between messages that travel in a slot and ones read from the sender's buffer,
+// any-source receives over both, a rendezvous send nobody receives (timeout, then the late receive is told), a
+// receive that times out, and an abort that ends a blocked receive. Ranks are threads here; test_fork covers
+// processes (process_vm_readv).
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstring>
+#include <map>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "harness.h"
+
+using namespace t3dtest;
+
+namespace {
+
+std::string Tag(int rank, const std::string &what) { return "rank " + std::to_string(rank) + ": " + what; }
+
+// Message `tag` from `from`: a recognisable float pattern of n elements.
+std::vector<float> Message(int from, int tag, size_t n) {
+  std::vector<float> v(n);
+  for (size_t i = 0; i < n; ++i) v[i] = static_cast<float>(from * 100000 + tag * 100 + static_cast<int>(i % 89));
+  return v;
+}
+
+// Slots carry up to 4 KiB at 2-8 ranks (T3D_SHM_P2P_EAGER_BYTES); these sizes are on either side of it.
+const size_t kSmall = 5;     // 20 B: inside a slot
+const size_t kLarge = 6000;  // 24000 B: read from the sender's buffer
+
+size_t SizeOf(int tag) { return tag % 2 == 0 ? kSmall : kLarge + static_cast<size_t>(tag); }
+
+void SkipUnlessShm(t3d_comm_t *comm) {
+  if (std::string(t3d_comm_transport(comm)).find("shm") == std::string::npos) GTEST_SKIP() << "no shared memory";
+}
+
+// 40 messages (5x the slots of a ring), half of them rendezvous, all sent before the receiver posts anything; it
+// then receives them in reverse tag order. The sender's calls never block; its sends complete as room appears.
+TEST(ShmP2P, MoreMessagesThanSlotsBeforeAnyReceive) {
+  RunRanks(2, [](int rank, t3d_comm_t *comm) {
+    SkipUnlessShm(comm);
+    const int kMsgs = 40;
+    if (rank == 0) {
+      std::vector<std::vector<float>> out;
+      std::vector<t3d_request_t *> reqs;
+      for (int t = 0; t < kMsgs; ++t) out.push_back(Message(0, t, SizeOf(t)));
+      for (int t = 0; t < kMsgs; ++t) {
+        t3d_request_t *q = nullptr;
+        T3D_ASSERT_OK(comm, t3d_send(comm, out[t].data(), out[t].size(), T3D_FLOAT32, 1, t, nullptr, &q));
+        reqs.push_back(q);
+      }
+      if (!HostBarrier()) return;
+      for (int t = 0; t < kMsgs; ++t) {
+        std::string err;
+        EXPECT_EQ(Finish(reqs[t], &err), T3D_OK) << Tag(rank, "send " + std::to_string(t)) << ": " << err;
+      }
+    } else {
+      if (!HostBarrier()) return;
+      for (int t = kMsgs - 1; t >= 0; --t) {
+        std::vector<float> in(SizeOf(t) + 3, -1.0f);
+        t3d_request_t *q = nullptr;
+        T3D_ASSERT_OK(comm, t3d_recv(comm, in.data(), in.size(), T3D_FLOAT32, 0, t, nullptr, &q));
+        ASSERT_EQ(t3d_wait(q, TestTimeoutMs()), T3D_OK) << Tag(rank, "recv tag " + std::to_string(t)) << ": "
+                                                        << t3d_request_error(q);
+        EXPECT_EQ(t3d_request_count(q), SizeOf(t)) << Tag(rank, "count of tag " + std::to_string(t));
+        EXPECT_EQ(t3d_request_source(q), 0);
+        t3d_request_free(q);
+        std::vector<float> want = Message(0, t, SizeOf(t));
+        EXPECT_EQ(0, memcmp(in.data(), want.data(), want.size() * sizeof(float))) << Tag(rank, "tag " + std::to_string(t));
+        EXPECT_EQ(in[SizeOf(t)], -1.0f) << Tag(rank, "wrote past the message of tag " + std::to_string(t));
+      }
+    }
+  });
+}
+
+// Same tag, alternating slot and rendezvous messages, received as they were sent: order holds across both.
+TEST(ShmP2P, SameTagKeepsOrderAcrossSizes) {
+  RunRanks(2, [](int rank, t3d_comm_t *comm) {
+    SkipUnlessShm(comm);
+    const int kMsgs = 12;
+    const int tag = 7;
+    if (rank == 0) {
+      std::vector<std::vector<float>> out;
+      std::vector<t3d_request_t *> reqs;
+      for (int i = 0; i < kMsgs; ++i) out.push_back(Message(0, i, SizeOf(i)));
+      for (int i = 0; i < kMsgs; ++i) {
+        t3d_request_t *q = nullptr;
+        T3D_ASSERT_OK(comm, t3d_send(comm, out[i].data(), out[i].size(), T3D_FLOAT32, 1, tag, nullptr, &q));
+        reqs.push_back(q);
+      }
+      for (t3d_request_t *q : reqs) EXPECT_EQ(Finish(q), T3D_OK);
+    } else {
+      for (int i = 0; i < kMsgs; ++i) {
+        std::vector<float> in(kLarge + kMsgs, -1.0f);
+        t3d_request_t *q = nullptr;
+        T3D_ASSERT_OK(comm, t3d_recv(comm, in.data(), in.size(), T3D_FLOAT32, 0, tag, nullptr, &q));
+        ASSERT_EQ(t3d_wait(q, TestTimeoutMs()), T3D_OK) << t3d_request_error(q);
+        ASSERT_EQ(t3d_request_count(q), SizeOf(i)) << Tag(rank, "message " + std::to_string(i) + " out of order");
+        t3d_request_free(q);
+        std::vector<float> want = Message(0, i, SizeOf(i));
+        EXPECT_EQ(0, memcmp(in.data(), want.data(), want.size() * sizeof(float))) << Tag(rank, "message " + std::to_string(i));
+      }
+    }
+  });
+}
+
+// Every other rank sends a slot message and a rendezvous one (same tag); rank 0 takes all with any-source
+// receives. Each (source, size) arrives once, and from each source the small one first.
+TEST(ShmP2P, AnySourceOverBothProtocols) {
+  const int n = 4;
+  RunRanks(n, [n](int rank, t3d_comm_t *comm) {
+    SkipUnlessShm(comm);
+    const int tag = 3;
+    if (rank != 0) {
+      std::vector<float> a = Message(rank, 0, kSmall), b = Message(rank, 1, kLarge);
+      t3d_request_t *qa = nullptr, *qb = nullptr;
+      T3D_ASSERT_OK(comm, t3d_send(comm, a.data(), a.size(), T3D_FLOAT32, 0, tag, nullptr, &qa));
+      T3D_ASSERT_OK(comm, t3d_send(comm, b.data(), b.size(), T3D_FLOAT32, 0, tag, nullptr, &qb));
+      EXPECT_EQ(Finish(qa), T3D_OK);
+      EXPECT_EQ(Finish(qb), T3D_OK);
+      return;
+    }
+    std::map<int, std::vector<size_t>> seen;
+    for (int i = 0; i < 2 * (n - 1); ++i) {
+      std::vector<float> in(kLarge, -1.0f);
+      t3d_request_t *q = nullptr;
+      T3D_ASSERT_OK(comm, t3d_recv(comm, in.data(), in.size(), T3D_FLOAT32, T3D_ANY_SOURCE, tag, nullptr, &q));
+      ASSERT_EQ(t3d_wait(q, TestTimeoutMs()), T3D_OK) << t3d_request_error(q);
+      const int src = t3d_request_source(q);
+      const size_t cnt = t3d_request_count(q);
+      t3d_request_free(q);
+      ASSERT_TRUE(src >= 1 && src < n) << "source " << src;
+      std::vector<float> want = Message(src, cnt == kSmall ? 0 : 1, cnt);
+      EXPECT_EQ(0, memcmp(in.data(), want.data(), cnt * sizeof(float))) << "from rank " << src << ", " << cnt;
+      seen[src].push_back(cnt);
+    }
+    for (int p = 1; p < n; ++p) EXPECT_EQ(seen[p], (std::vector<size_t>{kSmall, kLarge})) << "from rank " << p;
+  });
+}
+
+// A rendezvous send nobody receives times out and names its peer; a receive posted after that is told the sender
+// gave the message up, and the pair still works afterwards.
+TEST(ShmP2P, UnreceivedRendezvousSendTimesOut) {
+  RunRanks(2, [](int rank, t3d_comm_t *comm) {
+    SkipUnlessShm(comm);
+    std::vector<float> big = Message(0, 1, kLarge);
+    std::vector<float> in(kLarge, -1.0f);
+    t3d_opts_t opts{};
+    opts.timeout_ms = 300;
+    if (rank == 0) {
+      t3d_request_t *q = nullptr;
+      T3D_ASSERT_OK(comm, t3d_send(comm, big.data(), big.size(), T3D_FLOAT32, 1, 1, &opts, &q));
+      const auto t0 = std::chrono::steady_clock::now();
+      EXPECT_EQ(t3d_wait(q, TestTimeoutMs()), T3D_ERR_TIMEOUT);
+      const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0);
+      EXPECT_LT(ms.count(), 5000) << "the timeout came late";
+      const std::string err = t3d_request_error(q);
+      EXPECT_NE(err.find("send to rank 1"), std::string::npos) << err;
+      EXPECT_NE(err.find("timed out"), std::string::npos) << err;
+      t3d_request_free(q);
+    }
+    if (!HostBarrier()) return;
+    if (rank == 1) {
+      t3d_request_t *q = nullptr;
+      T3D_ASSERT_OK(comm, t3d_recv(comm, in.data(), in.size(), T3D_FLOAT32, 0, 1, nullptr, &q));
+      EXPECT_EQ(t3d_wait(q, TestTimeoutMs()), T3D_ERR_ABORTED);
+      const std::string err = t3d_request_error(q);
+      EXPECT_NE(err.find("gave the message up"), std::string::npos) << err;
+      t3d_request_free(q);
+    }
+    // A fresh exchange on the same pair.
+    t3d_request_t *q = nullptr;
+    if (rank == 0) T3D_ASSERT_OK(comm, t3d_send(comm, big.data(), big.size(), T3D_FLOAT32, 1, 2, nullptr, &q));
+    else T3D_ASSERT_OK(comm, t3d_recv(comm, in.data(), in.size(), T3D_FLOAT32, 0, 2, nullptr, &q));
+    ASSERT_EQ(t3d_wait(q, TestTimeoutMs()), T3D_OK) << Tag(rank, t3d_request_error(q));
+    t3d_request_free(q);
+    if (rank == 1) {
+      EXPECT_EQ(0, memcmp(in.data(), big.data(), big.size() * sizeof(float)));
+    }
+  });
+}
+
+// A receive whose sender never sends times out with the peer and tag in its text.
+TEST(ShmP2P, ReceiveTimeoutNamesPeer) {
+  RunRanks(2, [](int rank, t3d_comm_t *comm) {
+    SkipUnlessShm(comm);
+    if (rank == 1) return;
+    std::vector<float> in(kSmall);
+    t3d_opts_t opts{};
+    opts.timeout_ms = 200;
+    t3d_request_t *q = nullptr;
+    T3D_ASSERT_OK(comm, t3d_recv(comm, in.data(), in.size(), T3D_FLOAT32, 1, 9, &opts, &q));
+    EXPECT_EQ(t3d_wait(q, TestTimeoutMs()), T3D_ERR_TIMEOUT);
+    const std::string err = t3d_request_error(q);
+    EXPECT_NE(err.find("recv from rank 1"), std::string::npos) << err;
+    EXPECT_NE(err.find("tag 9"), std::string::npos) << err;
+    t3d_request_free(q);
+  });
+}
+
+// t3d_comm_abort from another thread ends a receive that a caller is blocked on.
+TEST(ShmP2P, AbortEndsBlockedReceive) {
+  RunOptions opts;
+  opts.abort_on_failure = false;
+  RunRanks(2, [](int rank, t3d_comm_t *comm) {
+    SkipUnlessShm(comm);
+    if (rank == 1) return;
+    std::vector<float> in(kLarge);
+    t3d_request_t *q = nullptr;
+    T3D_ASSERT_OK(comm, t3d_recv(comm, in.data(), in.size(), T3D_FLOAT32, 1, 4, nullptr, &q));
+    std::thread aborter([comm] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      t3d_comm_abort(comm);
+    });
+    const auto t0 = std::chrono::steady_clock::now();
+    EXPECT_EQ(t3d_wait(q, TestTimeoutMs()), T3D_ERR_ABORTED) << t3d_request_error(q);
+    const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0);
+    EXPECT_LT(ms.count(), 3000) << "the abort took effect late";
+    aborter.join();
+    t3d_request_free(q);
+  }, opts);
+}
+
+}  // namespace
