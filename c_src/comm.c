@@ -819,6 +819,11 @@ static void *progress_main(void *arg) {
       if (progressed || before != comm->active_p2p) t3d__backoff_reset(&b);
       else if (comm->q_head == NULL) t3d__backoff_wait(&b);
     }
+    /* Stopping with same-host point-to-point still pending: it completes, or fails at its deadline. */
+    if (comm->stop && t3d__shm_p2p_active(comm->shm_p2p)) {
+      if (t3d__shm_p2p_progress(comm->shm_p2p) > 0) t3d__backoff_reset(&b);
+      else t3d__backoff_wait(&b);
+    }
   }
   return NULL;
 }

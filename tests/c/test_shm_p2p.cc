@@ -225,3 +225,27 @@ TEST(ShmP2P, AbortEndsBlockedReceive) {
 }
 
 }  // namespace
+
+namespace {
+
+t3d_request_t *g_pending = nullptr;
+
+// Destroying a communicator with a receive still pending returns once that receive reaches its deadline, and the
+// receive reports the timeout (it must not hang destroy, nor vanish).
+TEST(ShmP2P, DestroyWithPendingReceiveEndsAtItsDeadline) {
+  static std::vector<float> in(kSmall);
+  RunRanks(2, [](int rank, t3d_comm_t *comm) {
+    SkipUnlessShm(comm);
+    if (rank == 1) return;
+    t3d_opts_t opts{};
+    opts.timeout_ms = 300;
+    T3D_ASSERT_OK(comm, t3d_recv(comm, in.data(), in.size(), T3D_FLOAT32, 1, 11, &opts, &g_pending));
+  });
+  if (g_pending == nullptr) return;  // skipped
+  EXPECT_EQ(t3d_test(g_pending), T3D_ERR_TIMEOUT);
+  EXPECT_NE(std::string(t3d_request_error(g_pending)).find("recv from rank 1"), std::string::npos)
+      << t3d_request_error(g_pending);
+  t3d_request_free(g_pending);
+}
+
+}  // namespace
