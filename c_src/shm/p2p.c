@@ -238,18 +238,12 @@ static const char *fail_verb(t3d_result_t res) {
 }
 
 static void fail(t3d_shm_p2p_t *p, done_list_t *d, t3d_request_t *r, t3d_result_t res) {
-  char msg[512];
+  char msg[512], peer[32] = "any rank";
   t3d_comm_t *c = p->comm;
-  if (r->kind == T3D_OP_SEND) {
-    snprintf(msg, sizeof msg, "t3d: send to rank %d on group '%s' (rank %d, tag %lld) %s (timeout %lld ms)", r->root,
-             c->name, c->rank, (long long)r->tag, fail_verb(res), (long long)r->timeout_ms);
-  } else if (r->root == T3D_ANY_SOURCE) {
-    snprintf(msg, sizeof msg, "t3d: recv from any rank on group '%s' (rank %d, tag %lld) %s (timeout %lld ms)",
-             c->name, c->rank, (long long)r->tag, fail_verb(res), (long long)r->timeout_ms);
-  } else {
-    snprintf(msg, sizeof msg, "t3d: recv from rank %d on group '%s' (rank %d, tag %lld) %s (timeout %lld ms)", r->root,
-             c->name, c->rank, (long long)r->tag, fail_verb(res), (long long)r->timeout_ms);
-  }
+  if (r->root != T3D_ANY_SOURCE) snprintf(peer, sizeof peer, "rank %d", r->root);
+  snprintf(msg, sizeof msg, "t3d: %s %s on group '%s' (rank %d, tag %lld) %s (timeout %lld ms)",
+           r->kind == T3D_OP_SEND ? "send to" : "recv from", peer, c->name, c->rank, (long long)r->tag,
+           fail_verb(res), (long long)r->timeout_ms);
   finish(p, d, r, res, msg);
 }
 
@@ -483,6 +477,7 @@ static void post_recv(t3d_shm_p2p_t *p, done_list_t *d, t3d_request_t *r) {
 
 /* ---------- passes ---------- */
 
+/* Fails what passed its deadline (everything, on abort) and reaps finished rendezvous sends. */
 static void expire(t3d_shm_p2p_t *p, done_list_t *d, uint64_t now, int aborted) {
   t3d_result_t res = aborted ? T3D_ERR_ABORTED : T3D_ERR_TIMEOUT;
   for (t3d_request_t **l = &p->recvs, *prev = NULL; *l != NULL;) {
@@ -527,9 +522,7 @@ static int pass(t3d_shm_p2p_t *p, done_list_t *d) {
   }
   int aborted = atomic_load(&p->comm->aborted);
   if (p->rdv != NULL || aborted || p->recvs != NULL || p->queued > 0) {
-    uint64_t now = t3d__now_ns();
-    if (p->rdv != NULL && !aborted) reap_rdv(p, d, now, 0);
-    expire(p, d, now, aborted);
+    expire(p, d, t3d__now_ns(), aborted); /* also completes finished rendezvous sends */
   }
   return before - atomic_load_explicit(&p->active, memory_order_relaxed);
 }
