@@ -344,8 +344,7 @@ t3d_result_t t3d__submit(t3d_comm_t *comm, t3d_request_t *r, t3d_request_t **out
   if (!coll && comm->shm_p2p != NULL && r->memtype == T3D_MEM_HOST) {
     /* Same-host point-to-point is posted here, on the caller's thread, in issue order. */
     pthread_mutex_unlock(&comm->mu);
-    if (atomic_load(&comm->aborted)) complete(r, T3D_ERR_ABORTED, "t3d: point-to-point operation aborted");
-    else t3d__shm_p2p_post(comm->shm_p2p, &r, 1);
+    t3d__shm_p2p_post(comm->shm_p2p, &r, 1);
     return T3D_OK;
   }
   if (r->memtype == T3D_MEM_CUDA) {
@@ -430,13 +429,7 @@ t3d_result_t t3d_group_end(t3d_comm_t *comm, t3d_request_t **req) {
   }
   /* One extra count held by the engine until every child has been issued, so the group cannot complete early. */
   atomic_init(&g->pending_children, n + 1);
-  if (nshm > 0) {
-    if (atomic_load(&comm->aborted)) {
-      for (int i = 0; i < nshm; i++) complete(shm[i], T3D_ERR_ABORTED, "t3d: point-to-point operation aborted");
-    } else {
-      t3d__shm_p2p_post(comm->shm_p2p, shm, nshm);
-    }
-  }
+  if (nshm > 0) t3d__shm_p2p_post(comm->shm_p2p, shm, nshm);
   free(shm);
   if (ncuda > 0) t3d__nccl_run(comm, cuda, ncuda, 1);
   free(cuda);
@@ -725,8 +718,7 @@ static void run_request(t3d_comm_t *comm, t3d_request_t *r) {
       complete(r, T3D_ERR_ABORTED, "t3d: point-to-point operation aborted");
       return;
     }
-    if (comm->shm_p2p != NULL && r->memtype == T3D_MEM_HOST) t3d__shm_p2p_post(comm->shm_p2p, &r, 1);
-    else post_p2p(comm, r);
+    post_p2p(comm, r); /* UCX: same-host point-to-point never reaches the queue */
   } else if (r->kind == T3D_OP_GROUP) {
     /* Point-to-point first: any pairing of sends and receives inside the group then matches without deadlock. */
     t3d_request_t *c, *next;
@@ -787,10 +779,9 @@ static void *progress_main(void *arg) {
         int active = t3d__shm_p2p_active(comm->shm_p2p);
         if (active) t3d__shm_p2p_progress(comm->shm_p2p);
         pthread_mutex_lock(&comm->mu);
-        if (idle_ms < 64 && !active) idle_ms *= 2;
-        else if (active) idle_ms = idle_ms > 4 ? 4 : idle_ms;
+        unsigned cap = active ? 4 : 64;
+        idle_ms = idle_ms < cap ? idle_ms * 2 : cap;
       }
-      if (comm->stop && t3d__shm_p2p_active(comm->shm_p2p)) idle_ms = 1;
     }
     t3d_request_t *r = comm->busy ? NULL : comm->q_head;
     if (r != NULL) {

@@ -153,8 +153,8 @@ void t3d__shm_p2p_sizes(int n, size_t *eager, unsigned *slots) {
   *eager = e;
 }
 
-t3d_result_t t3d__shm_p2p_new(t3d_comm_t *comm, t3d_shm_t *s, char *region, size_t eager, unsigned slots,
-                              t3d_shm_p2p_t **out) {
+static t3d_result_t p2p_new(t3d_comm_t *comm, t3d_shm_t *s, char *region, size_t eager, unsigned slots,
+                           t3d_shm_p2p_t **out) {
   *out = NULL;
   t3d_shm_p2p_t *p = calloc(1, sizeof *p);
   if (p == NULL) return T3D_ERR_NO_MEMORY;
@@ -530,6 +530,7 @@ static int pass(t3d_shm_p2p_t *p, done_list_t *d) {
 void t3d__shm_p2p_post(t3d_shm_p2p_t *p, t3d_request_t **reqs, int n) {
   done_list_t d = {NULL};
   uint64_t now = t3d__now_ns();
+  int aborted = atomic_load(&p->comm->aborted);
   pthread_mutex_lock(&p->mu);
   for (int i = 0; i < n; i++) {
     t3d_request_t *r = reqs[i];
@@ -537,7 +538,8 @@ void t3d__shm_p2p_post(t3d_shm_p2p_t *p, t3d_request_t **reqs, int n) {
     if (r->parent != NULL) r->parent->on_shm = 1;
     r->deadline_ns = now + (uint64_t)r->timeout_ms * 1000000ull;
     atomic_fetch_add_explicit(&p->active, 1, memory_order_relaxed);
-    if (r->kind == T3D_OP_SEND) post_send(p, &d, r);
+    if (aborted) fail(p, &d, r, T3D_ERR_ABORTED); /* an aborted communicator moves no more messages */
+    else if (r->kind == T3D_OP_SEND) post_send(p, &d, r);
     else post_recv(p, &d, r);
   }
   pass(p, &d);
@@ -545,9 +547,10 @@ void t3d__shm_p2p_post(t3d_shm_p2p_t *p, t3d_request_t **reqs, int n) {
   complete_all(&d);
 }
 
-int t3d__shm_p2p_progress(t3d_shm_p2p_t *p) {
-  if (p == NULL || atomic_load_explicit(&p->active, memory_order_relaxed) == 0) return 0;
-  if (pthread_mutex_trylock(&p->mu) != 0) return 0; /* another thread is running a pass */
+/* A pass unless another thread is running one (then *ran = 0); returns how many requests it completed. */
+static int try_pass(t3d_shm_p2p_t *p, int *ran) {
+  *ran = pthread_mutex_trylock(&p->mu) == 0;
+  if (!*ran) return 0;
   done_list_t d = {NULL};
   int n = pass(p, &d);
   pthread_mutex_unlock(&p->mu);
@@ -555,10 +558,16 @@ int t3d__shm_p2p_progress(t3d_shm_p2p_t *p) {
   return n;
 }
 
+int t3d__shm_p2p_progress(t3d_shm_p2p_t *p) {
+  if (p == NULL || atomic_load_explicit(&p->active, memory_order_relaxed) == 0) return 0;
+  int ran;
+  return try_pass(p, &ran);
+}
+
 t3d_result_t t3d__shm_p2p_attach(t3d_comm_t *comm, t3d_shm_t *shm, t3d_shm_p2p_t **out) {
   *out = NULL;
   if (shm == NULL || !shm->p2p_ok || shm->p2p_slots == 0) return T3D_OK;
-  t3d_result_t res = t3d__shm_p2p_new(comm, shm, shm->p2p_region, shm->p2p_eager, shm->p2p_slots, out);
+  t3d_result_t res = p2p_new(comm, shm, shm->p2p_region, shm->p2p_eager, shm->p2p_slots, out);
   if (res != T3D_OK) return t3d__set_error(comm, res, "t3d_comm_init: out of memory for point-to-point state");
   shm->p2p = *out;
   return T3D_OK;
@@ -571,15 +580,10 @@ void t3d__shm_p2p_sleep(t3d_shm_p2p_t *p, const t3d_request_t *req, uint64_t max
   atomic_thread_fence(memory_order_seq_cst);
   /* A last pass after announcing the sleep: what peers published before it is seen here; anything later rings.
    * When another thread holds mu, it is mid-pass: do not sleep. */
-  if (pthread_mutex_trylock(&p->mu) == 0) {
-    done_list_t d = {NULL};
-    int n = pass(p, &d);
-    pthread_mutex_unlock(&p->mu);
-    complete_all(&d);
-    if (n == 0 && !atomic_load_explicit(&req->done, memory_order_acquire)) {
-      struct timespec ts = {(time_t)(max_ns / 1000000000u), (long)(max_ns % 1000000000u)};
-      syscall(SYS_futex, (void *)&b->bell, FUTEX_WAIT, v, &ts, NULL, 0);
-    }
+  int ran;
+  if (try_pass(p, &ran) == 0 && ran && !atomic_load_explicit(&req->done, memory_order_acquire)) {
+    struct timespec ts = {(time_t)(max_ns / 1000000000u), (long)(max_ns % 1000000000u)};
+    syscall(SYS_futex, (void *)&b->bell, FUTEX_WAIT, v, &ts, NULL, 0);
   }
   atomic_fetch_sub_explicit(&b->sleepers, 1, memory_order_relaxed);
 }

@@ -355,8 +355,8 @@ void t3d__shm_backoff(t3d_shm_t *s, t3d_backoff_t *b, int p, uint64_t target, ui
     uint32_t cpu = atomic_load_explicit(t3d__shm_cpu(s, p), memory_order_relaxed);
     running = cpu != 0 && cpu != (uint32_t)sched_getcpu() + 1u;
   }
-  /* A rank waiting here may hold up point-to-point that only this process can move: its sends queued behind a full
-   * ring, or a peer's rendezvous read of it. */
+  /* A rank waiting here may hold up point-to-point that only this process can move: its own sends queued behind a
+   * full ring, and the slots of peers' rings that only its scan frees. */
   if (s->p2p != NULL && t3d__shm_p2p_progress(s->p2p) > 0) t3d__backoff_reset(b);
   if (!(running ? t3d__backoff_poll_running(b) : t3d__backoff_poll(b))) return;
   uint64_t max_ns = 1000000;

@@ -146,8 +146,6 @@ t3d_result_t t3d__shm_check_info(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_ste
 /* Bytes of the point-to-point region for n ranks, and rank 0's choice of its sizes. */
 size_t t3d__shm_p2p_bytes(int n, size_t eager, unsigned slots);
 void t3d__shm_p2p_sizes(int n, size_t *eager, unsigned *slots);
-t3d_result_t t3d__shm_p2p_new(t3d_comm_t *comm, t3d_shm_t *s, char *region, size_t eager, unsigned slots,
-                              t3d_shm_p2p_t **out);
 
 /* ---------- kernels (kernels.c) ---------- */
 /* Nonzero when a non-temporal store path exists on this CPU (AVX-512F or AVX). */
