@@ -346,20 +346,7 @@ static int accepts(const t3d_request_t *r, int src, int64_t tag) {
 
 /* Copies len bytes of the rendezvous message h from its sender into dst; 0 or an errno. */
 static int read_remote(t3d_shm_p2p_t *p, const slot_hdr_t *h, void *dst, size_t len) {
-  if (h->pid == p->pid) { /* ranks of one process (threads): the buffer is in this address space */
-    memcpy(dst, (const void *)(uintptr_t)h->addr, len);
-    return 0;
-  }
-  size_t done = 0;
-  while (done < len) {
-    struct iovec local = {(char *)dst + done, len - done};
-    struct iovec remote = {(void *)(uintptr_t)(h->addr + done), len - done};
-    ssize_t got = process_vm_readv(h->pid, &local, 1, &remote, 1, 0);
-    if (got < 0 && errno == EINTR) continue;
-    if (got <= 0) return got < 0 ? errno : EIO;
-    done += (size_t)got;
-  }
-  return 0;
+  return t3d__shm_cma_read(p->pid, h->pid, dst, h->addr, len);
 }
 
 /* Delivers the message (src, h; eager payload at data) into receive r. */

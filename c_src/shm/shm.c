@@ -59,9 +59,30 @@ static int cma_works(int pid, unsigned long long addr) {
   return process_vm_readv(pid, &local, 1, &remote, 1, 0) == (ssize_t)sizeof got && got == T3D_SHM_MAGIC;
 }
 
-/* This rank wants point-to-point over shared memory (T3D_SHM_P2P, default 1) and can read rank pid's probe word. */
-static int p2p_usable(int pid, unsigned long long addr) {
-  return t3d__env_int("T3D_SHM_P2P", 1) != 0 && cma_works(pid, addr);
+/* What this rank can do with rank pid's memory: bit 0, read it (cross-memory attach works); bit 1, also run
+ * point-to-point over shared memory (T3D_SHM_P2P, default 1). */
+#define PROBE_CMA 1
+#define PROBE_P2P 2
+static int probe_bits(int pid, unsigned long long addr) {
+  if (!cma_works(pid, addr)) return 0;
+  return PROBE_CMA | (t3d__env_int("T3D_SHM_P2P", 1) != 0 ? PROBE_P2P : 0);
+}
+
+int t3d__shm_cma_read(int self_pid, int pid, void *dst, uint64_t addr, size_t len) {
+  if (pid == self_pid) { /* ranks of one process (threads): the buffer is in this address space */
+    memcpy(dst, (const void *)(uintptr_t)addr, len);
+    return 0;
+  }
+  size_t done = 0;
+  while (done < len) {
+    struct iovec local = {(char *)dst + done, len - done};
+    struct iovec remote = {(void *)(uintptr_t)(addr + done), len - done};
+    ssize_t got = process_vm_readv(pid, &local, 1, &remote, 1, 0);
+    if (got < 0 && errno == EINTR) continue;
+    if (got <= 0) return got < 0 ? errno : EIO;
+    done += (size_t)got;
+  }
+  return 0;
 }
 
 /* Rank 0: creates, sizes and maps the segment. On failure writes the reason into err. */
@@ -177,10 +198,12 @@ static void read_tuning(t3d_shm_t *s) {
   s->cpu_aware = t3d__cores_filled() && !t3d__oversubscribed();
 }
 
-/* "name pid probe", or "!reason" when rank 0 failed. Each other rank answers "mapped/<rank>" with "1 ok pid probe"
- * (ok: it can use point-to-point over the segment, reading rank 0's probe word) or "!reason"; rank 0 unlinks the
- * name once all answered and publishes "ready" ("1 ok": every rank, rank 0 reading rank 1's word, can; or
- * "!reason"), so a failure anywhere fails init on every rank, all ranks agree on how point-to-point goes, and no
+/* "name pid probe", or "!reason" when rank 0 failed. Each other rank answers "mapped/<rank>" with "1 bits pid probe"
+ * (bits: probe_bits of rank 0's probe word) or "!reason"; rank 0 unlinks the name once all answered and publishes
+ * "ready": "1 p2p min max" (p2p: every rank, rank 0 reading rank 1's word, can run point-to-point over the
+ * segment; min, max: the block sizes for which collectives read peers' buffers, 0 0 unless every rank can) or
+ * "!reason". So a
+ * failure anywhere fails init on every rank, all ranks agree on how point-to-point and the collectives go, and no
  * file outlives init. */
 t3d_result_t t3d__shm_init(t3d_comm_t *comm, t3d_shm_t **out) {
   *out = NULL;
@@ -188,14 +211,17 @@ t3d_result_t t3d__shm_init(t3d_comm_t *comm, t3d_shm_t **out) {
   if (s == NULL) return t3d__set_error(comm, T3D_ERR_NO_MEMORY, "t3d_comm_init: out of memory for shm state");
   s->rank = comm->rank;
   s->size = comm->size;
+  s->pid = (int)getpid();
   s->pending = malloc(sizeof(int) * (size_t)comm->size);
   s->srcs = malloc(sizeof(void *) * (size_t)comm->size);
   s->offs = malloc(sizeof(size_t) * (size_t)comm->size);
+  s->raddr = malloc(sizeof(uint64_t) * (size_t)comm->size);
+  s->rpid = malloc(sizeof(int) * (size_t)comm->size);
   char err[700] = "", key[48];
   void *v = NULL;
   size_t len = 0;
   t3d_result_t res = T3D_OK;
-  if (s->pending == NULL || s->srcs == NULL || s->offs == NULL) {
+  if (s->pending == NULL || s->srcs == NULL || s->offs == NULL || s->raddr == NULL || s->rpid == NULL) {
     res = t3d__set_error(comm, T3D_ERR_NO_MEMORY, "t3d_comm_init: out of memory for shm state");
     goto fail;
   }
@@ -218,15 +244,15 @@ t3d_result_t t3d__shm_init(t3d_comm_t *comm, t3d_shm_t **out) {
       goto fail;
     }
     t3d_result_t peers = T3D_OK;
-    int p2p_ok = comm->size > 1;
+    int all_bits = comm->size > 1 ? PROBE_CMA | PROBE_P2P : 0;
     for (int p = 1; p < comm->size && peers == T3D_OK; p++) {
       snprintf(key, sizeof key, "shm/mapped/%d", p);
       peers = t3d__store_get(comm, key, &v, &len);
-      int ok = 0, pid = 0;
+      int bits = 0, pid = 0;
       unsigned long long addr = 0;
       if (peers == T3D_OK && len > 0 && ((char *)v)[len - 1] == '\0' &&
-          sscanf((char *)v, "1 %d %d %llx", &ok, &pid, &addr) == 3) {
-        p2p_ok &= ok != 0 && (p != 1 || p2p_usable(pid, addr));
+          sscanf((char *)v, "1 %d %d %llx", &bits, &pid, &addr) == 3) {
+        all_bits &= bits & (p != 1 ? PROBE_CMA | PROBE_P2P : probe_bits(pid, addr));
       } else if (peers == T3D_OK && (len == 0 || ((char *)v)[0] == '!')) {
         snprintf(err, sizeof err, "rank %d could not map the segment: %.*s", p, (int)(len > 1 ? len - 2 : 0),
                  len > 1 ? (char *)v + 1 : "");
@@ -234,14 +260,22 @@ t3d_result_t t3d__shm_init(t3d_comm_t *comm, t3d_shm_t **out) {
       } else if (peers != T3D_OK) {
         snprintf(err, sizeof err, "rank %d did not say it mapped the segment (%s)", p, t3d_result_string(peers));
       } else {
-        p2p_ok = 0;
+        all_bits = 0;
       }
       free(v);
       v = NULL;
     }
     shm_unlink(s->name);
-    s->p2p_ok = p2p_ok;
-    if (peers == T3D_OK) snprintf(msg, sizeof msg, "1 %d", p2p_ok);
+    s->p2p_ok = (all_bits & PROBE_P2P) != 0;
+    /* Single copy loses to the segment with more ranks than cores (measured, 8 ranks on 2 cores: allgather up to
+     * 1.8x slower), where copies are not what bounds a collective: off there unless T3D_SHM_DIRECT_BYTES is set. */
+    int64_t lo = t3d__env_int("T3D_SHM_DIRECT_BYTES", T3D_SHM_DIRECT_MIN_DEFAULT);
+    int64_t hi = t3d__env_int("T3D_SHM_DIRECT_MAX_BYTES", T3D_SHM_DIRECT_MAX_DEFAULT);
+    int asked = t3d__env_str("T3D_SHM_DIRECT_BYTES", NULL) != NULL;
+    int direct = (all_bits & PROBE_CMA) && (asked || !t3d__oversubscribed()) && lo > 0 && hi >= lo;
+    s->direct_min = direct ? (size_t)lo : 0;
+    s->direct_max = direct ? (size_t)hi : 0;
+    if (peers == T3D_OK) snprintf(msg, sizeof msg, "1 %d %zu %zu", s->p2p_ok, s->direct_min, s->direct_max);
     else snprintf(msg, sizeof msg, "!%s", err);
     res = t3d__store_set(comm, "shm/ready", msg, strlen(msg) + 1);
     if (peers != T3D_OK) {
@@ -265,7 +299,7 @@ t3d_result_t t3d__shm_init(t3d_comm_t *comm, t3d_shm_t **out) {
     t3d_result_t ares = attach_segment(s, err, sizeof err);
     char msg[720];
     if (ares == T3D_OK) {
-      snprintf(msg, sizeof msg, "1 %d %d %llx", p2p_usable(pid0, addr0), (int)getpid(),
+      snprintf(msg, sizeof msg, "1 %d %d %llx", probe_bits(pid0, addr0), (int)getpid(),
                (unsigned long long)(uintptr_t)&cma_probe_word);
     } else {
       snprintf(msg, sizeof msg, "!%s", err);
@@ -279,18 +313,22 @@ t3d_result_t t3d__shm_init(t3d_comm_t *comm, t3d_shm_t **out) {
     if (res != T3D_OK) goto fail;
     T3D_CHECK_GOTO(t3d__store_get(comm, "shm/ready", &v, &len), res, fail);
     int p2p_ok = 0;
-    if (len == 0 || ((char *)v)[len - 1] != '\0' || sscanf((char *)v, "1 %d", &p2p_ok) != 1) {
+    unsigned long long dmin = 0, dmax = 0;
+    if (len == 0 || ((char *)v)[len - 1] != '\0' || sscanf((char *)v, "1 %d %llu %llu", &p2p_ok, &dmin, &dmax) != 3) {
       res = t3d__set_error(comm, T3D_ERR_SYSTEM, "t3d_comm_init: rank %d of group '%s': shared memory set-up failed: "
                            "%.*s", comm->rank, comm->name, (int)(len > 1 ? len - 2 : 0), len > 1 ? (char *)v + 1 : "");
       goto fail;
     }
     s->p2p_ok = p2p_ok;
+    s->direct_min = (size_t)dmin;
+    s->direct_max = (size_t)dmax;
     free(v);
     v = NULL;
   }
   read_tuning(s);
-  T3D_INFO("group '%s' rank %d: shared memory %s, %zu bytes, halves of %zu bytes, point-to-point %s", comm->name,
-           comm->rank, s->name, s->map_bytes, s->half, s->p2p_ok ? "over shared memory" : "over UCX");
+  T3D_INFO("group '%s' rank %d: shared memory %s, %zu bytes, halves of %zu bytes, point-to-point %s, single-copy "
+           "collectives for blocks of %zu to %zu bytes (0: off)", comm->name, comm->rank, s->name, s->map_bytes,
+           s->half, s->p2p_ok ? "over shared memory" : "over UCX", s->direct_min, s->direct_max);
   *out = s;
   return T3D_OK;
 fail:
@@ -305,6 +343,8 @@ void t3d__shm_fini(t3d_shm_t *s) {
   free(s->pending);
   free(s->srcs);
   free(s->offs);
+  free(s->raddr);
+  free(s->rpid);
   free(s);
 }
 
@@ -441,6 +481,8 @@ void t3d__shm_put_info(t3d_shm_t *s, const t3d_shm_step_t *st, int kind, uint64_
   in->kind = (uint64_t)kind;
   in->sig = sig;
   in->aux = aux;
+  in->addr = 0;
+  in->pid = s->pid;
 }
 
 static const char *kind_name(uint64_t k) {

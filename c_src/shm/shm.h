@@ -41,7 +41,10 @@ typedef struct t3d_shm_info {
   uint64_t kind; /* T3D_OP_* of the operation */
   uint64_t sig;  /* size signature: what all ranks must agree on */
   uint64_t aux;  /* alltoallv: the largest block this rank sends */
+  uint64_t addr; /* single-copy allgatherv: where this rank's block is, in its process */
+  int64_t pid;   /* this rank's process, for reading at addr */
 } t3d_shm_info_t;
+_Static_assert(sizeof(t3d_shm_info_t) <= 64, "an info line is one cache line");
 
 struct t3d_shm {
   char *base;
@@ -65,10 +68,16 @@ struct t3d_shm {
   size_t p2p_eager;
   unsigned p2p_slots;
   int p2p_ok;         /* every rank can use the region (cross-memory attach works, T3D_SHM_P2P is not 0) */
+  size_t direct_min;  /* allgatherv / alltoallv blocks of direct_min to direct_max bytes are read straight from the
+                       * owner's buffer (shm_coll.c, "single copy"); 0: never (rank 0's choice for all) */
+  size_t direct_max;
+  int pid;            /* this process */
   t3d_shm_p2p_t *p2p; /* the communicator's point-to-point over the region, once made (comm.c) */
   int *pending;       /* scratch: ranks still awaited */
   const void **srcs;  /* scratch: one source per rank */
   size_t *offs;       /* scratch: one offset per rank */
+  uint64_t *raddr;    /* scratch: alltoallv, where each peer's block for this rank is, in its process */
+  int *rpid;          /* scratch: each peer's process */
   char name[64];
 };
 
@@ -140,6 +149,19 @@ void t3d__shm_put_info(t3d_shm_t *s, const t3d_shm_step_t *st, int kind, uint64_
 /* After waiting for peer's first phase: T3D_ERR_MISMATCH (with ex->error) unless it runs the same operation. */
 t3d_result_t t3d__shm_check_info(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step_t *st, int peer, int kind,
                                  uint64_t sig);
+
+/* Sets the address in this rank's info line for the half of st (after t3d__shm_put_info). */
+static inline void t3d__shm_put_addr(t3d_shm_t *s, const t3d_shm_step_t *st, const void *addr) {
+  t3d__shm_info(s, s->rank, st->h)->addr = (uint64_t)(uintptr_t)addr;
+}
+
+/* ---------- single copy ----------
+ * Copies len bytes at addr in process pid into dst: memcpy when pid is self_pid (ranks that are threads of one
+ * process), else process_vm_readv (cross-memory attach). 0 or an errno. */
+int t3d__shm_cma_read(int self_pid, int pid, void *dst, uint64_t addr, size_t len);
+/* Defaults of T3D_SHM_DIRECT_BYTES and T3D_SHM_DIRECT_MAX_BYTES (docs/architecture.md, "Single copy"). */
+#define T3D_SHM_DIRECT_MIN_DEFAULT (64 * 1024)
+#define T3D_SHM_DIRECT_MAX_DEFAULT (8 * 1024 * 1024)
 
 /* ---------- point-to-point (p2p.c) ---------- */
 #define T3D_SHM_P2P_RECORDS 256u

@@ -1,7 +1,9 @@
 /* shm_coll.c: the collectives over a communicator's shared-memory segment. Small allreduce / reduce one-shot (every
  * rank copies its vector into its half, then reduces all halves in rank order); large ones reduce-scatter +
  * allgather in chunks (each rank reduces one slice of the chunk straight from the halves and its own input). The
- * data movers (broadcast, allgatherv, alltoallv) stream through the halves a step at a time, double-buffered. */
+ * data movers (broadcast, allgatherv, alltoallv) stream through the halves a step at a time, double-buffered, or,
+ * for large blocks between processes that may read each other's memory, read them straight from the owner's buffer
+ * ("single copy" below). */
 #include "shm.h"
 
 #include <stdio.h>
@@ -18,6 +20,31 @@ static t3d_result_t check_all_info(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_s
   for (int p = 0; p < s->size; p++)
     if (p != s->rank) T3D_CHECK(t3d__shm_check_info(s, ex, st, p, kind, sig));
   return T3D_OK;
+}
+
+/* ---------- single copy ----------
+ * Blocks of allgatherv and alltoallv of direct_min to direct_max bytes skip the segment: their owner publishes
+ * where the block is (allgatherv: the addr and pid of its info line; alltoallv: a table in its step-0 half),
+ * readers copy it straight from there (process_vm_readv: one copy instead of two, into the half and out of it),
+ * and the owner returns only once every reader says it is done, because its buffer may change after that. All
+ * ranks choose alike: rank 0 set the bounds for everyone at init (none unless every rank can read the others'
+ * memory and the host's cores are not oversubscribed), and the sizes compared with them are the same on every rank
+ * (allgatherv) or learned from every rank's step 0 (alltoallv). docs/architecture.md, "Single copy", has the
+ * measurements behind the bounds. */
+
+static int use_direct(const t3d_shm_t *s, size_t block) {
+  return s->direct_min != 0 && block >= s->direct_min && block <= s->direct_max;
+}
+
+/* Copies len bytes at addr in rank p's process (pid) into dst. */
+static t3d_result_t read_peer(t3d_shm_t *s, t3d_exec_t *ex, int p, int pid, void *dst, uint64_t addr, size_t len) {
+  int err = len > 0 ? t3d__shm_cma_read(s->pid, pid, dst, addr, len) : 0;
+  if (err == 0) return T3D_OK;
+  snprintf(ex->error, sizeof ex->error,
+           "t3d: %s #%llu on group '%s' (rank %d of %d): reading %zu bytes from rank %d's memory (process_vm_readv) "
+           "failed: %s; T3D_SHM_DIRECT_BYTES=0 copies through shared memory instead",
+           ex->opname, (unsigned long long)ex->seq, ex->comm->name, ex->rank, ex->size, len, p, strerror(err));
+  return T3D_ERR_SYSTEM;
 }
 
 /* ---------- allreduce and reduce ---------- */
@@ -372,7 +399,7 @@ typedef struct {
   char *rb;
   const size_t *counts, *displs;
   size_t es, lo, total;
-  int nt;
+  int nt, direct; /* direct: read the block from the owner's buffer (single copy) */
   t3d_result_t res;
 } gather_ctx_t;
 
@@ -381,6 +408,11 @@ static void gather_from(void *arg, int p) {
   size_t blk = c->counts[p] * c->es;
   if (c->lo == 0 && c->res == T3D_OK) c->res = t3d__shm_check_info(c->s, c->ex, c->st, p, T3D_OP_ALLGATHERV, c->total);
   if (c->res != T3D_OK || c->lo >= blk) return;
+  if (c->direct) {
+    const t3d_shm_info_t *in = t3d__shm_info(c->s, p, c->st->h);
+    c->res = read_peer(c->s, c->ex, p, (int)in->pid, c->rb + c->displs[p] * c->es, in->addr, blk);
+    return;
+  }
   t3d__shm_copy(c->rb + c->displs[p] * c->es + c->lo, t3d__shm_half(c->s, p, c->st->h),
                 min_sz(c->s->half, blk - c->lo), c->nt);
 }
@@ -424,8 +456,34 @@ static t3d_result_t gather_collect(gather_ctx_t *c) {
 
 static gather_ctx_t gather_ctx(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step_t *st, void *recvbuf,
                                const size_t *counts, const size_t *displs, size_t es, size_t lo, size_t total) {
-  gather_ctx_t c = {s, ex, st, recvbuf, counts, displs, es, lo, total, s->nt && total >= s->nt_min, T3D_OK};
+  gather_ctx_t c = {s, ex, st, recvbuf, counts, displs, es, lo, total, s->nt && total >= s->nt_min, 0, T3D_OK};
   return c;
+}
+
+/* Single copy: one step in which every rank reads every other block from its owner. The peers read the input
+ * where it is while this rank copies it into place, unless it overlaps the output: then it is moved first and read
+ * from there. */
+static t3d_result_t gather_direct(t3d_shm_t *s, t3d_exec_t *ex, const void *sendbuf, void *recvbuf,
+                                  const size_t *bytes, const size_t *displs_bytes, size_t total) {
+  size_t mine = bytes[s->rank], extent = 0;
+  for (int p = 0; p < s->size; p++) extent = displs_bytes[p] + bytes[p] > extent ? displs_bytes[p] + bytes[p] : extent;
+  int apart = sendbuf != NULL && sendbuf != recvbuf && !t3d__overlap(sendbuf, mine, recvbuf, extent);
+  const char *src = apart ? sendbuf : gather_own(s, sendbuf, recvbuf, mine, displs_bytes[s->rank]);
+  t3d_shm_step_t st;
+  t3d__shm_step_begin(s, 2, &st);
+  T3D_CHECK(t3d__shm_step_acquire(s, ex, &st));
+  t3d__shm_put_info(s, &st, T3D_OP_ALLGATHERV, total, 0);
+  t3d__shm_put_addr(s, &st, src);
+  t3d__shm_post(s, st.base + 1);
+  if (apart && mine > 0) memcpy((char *)recvbuf + displs_bytes[s->rank], sendbuf, mine);
+  gather_ctx_t c = gather_ctx(s, ex, &st, recvbuf, bytes, displs_bytes, 1, 0, total);
+  c.direct = 1;
+  T3D_CHECK(t3d__shm_wait_each(s, ex, st.base + 1, gather_from, &c));
+  /* Done reading (also after a failed read: the owners then need not wait for the deadline); then wait until
+   * nobody reads this rank's block any more. */
+  t3d__shm_post(s, st.base + 2);
+  T3D_CHECK(c.res);
+  return t3d__shm_wait(s, ex, -1, st.base + 2);
 }
 
 t3d_result_t t3d__shm_allgatherv(t3d_exec_t *ex, const void *sendbuf, void *recvbuf, const size_t *bytes,
@@ -434,6 +492,7 @@ t3d_result_t t3d__shm_allgatherv(t3d_exec_t *ex, const void *sendbuf, void *recv
   size_t maxb, total = gather_total(s->size, bytes, 1, &maxb);
   if (total == 0) return T3D_OK;
   size_t mine = bytes[s->rank];
+  if (use_direct(s, maxb)) return gather_direct(s, ex, sendbuf, recvbuf, bytes, displs_bytes, total);
   const char *own = gather_own(s, sendbuf, recvbuf, mine, displs_bytes[s->rank]);
   for (size_t lo = 0; lo < maxb; lo += s->half) {
     t3d_shm_step_t st;
@@ -445,9 +504,10 @@ t3d_result_t t3d__shm_allgatherv(t3d_exec_t *ex, const void *sendbuf, void *recv
   return T3D_OK;
 }
 
-/* An allgatherv whose blocks each fit one half, in parts (one step of the loop above). */
+/* An allgatherv whose blocks each fit one half and are too small for single copy, in parts (one step of the loop
+ * above). */
 int t3d__shm_gather_fits(t3d_shm_t *s, size_t total_bytes, size_t max_block_bytes) {
-  return total_bytes > 0 && max_block_bytes <= s->half && next_half_free(s);
+  return total_bytes > 0 && max_block_bytes <= s->half && !use_direct(s, max_block_bytes) && next_half_free(s);
 }
 
 t3d_result_t t3d__shm_gather_start(t3d_exec_t *ex, const void *sendbuf, void *recvbuf, const size_t *counts,
@@ -485,11 +545,33 @@ typedef struct {
   t3d_result_t res;
 } a2a_ctx_t;
 
+/* Step 0 of an alltoallv also carries, after the pieces of rank p's half, p's table: for each receiver q, where
+ * p's block for q is in p's process and its length ({addr, bytes} as two words). */
+static uint64_t *a2a_table(const t3d_shm_t *s, int p, int h, size_t piece) {
+  return (uint64_t *)(void *)(t3d__shm_half(s, p, h) + (size_t)s->size * piece);
+}
+
+/* Step 0: what rank p's table says about p's block for this rank, which must have the length this rank expects. */
+static t3d_result_t a2a_learn(a2a_ctx_t *c, int p, size_t blk) {
+  t3d_shm_t *s = c->s;
+  const uint64_t *ent = a2a_table(s, p, c->st->h, c->piece) + 2 * (size_t)s->rank;
+  s->raddr[p] = ent[0];
+  s->rpid[p] = (int)t3d__shm_info(s, p, c->st->h)->pid;
+  if (ent[1] == blk) return T3D_OK;
+  t3d_exec_t *ex = c->ex;
+  snprintf(ex->error, sizeof ex->error,
+           "t3d: %s #%llu on group '%s' (rank %d of %d): rank %d sends %llu bytes to this rank, which expects %zu "
+           "(ranks disagree on the split sizes)", ex->opname, (unsigned long long)ex->seq, ex->comm->name, ex->rank,
+           ex->size, p, (unsigned long long)ent[1], blk);
+  return T3D_ERR_MISMATCH;
+}
+
 static void a2a_from(void *arg, int p) {
   a2a_ctx_t *c = arg;
   size_t blk = c->rcounts[p] * c->es;
   if (c->lo == 0) {
     if (c->res == T3D_OK) c->res = t3d__shm_check_info(c->s, c->ex, c->st, p, T3D_OP_ALLTOALLV, 0);
+    if (c->res == T3D_OK) c->res = a2a_learn(c, p, blk);
     const t3d_shm_info_t *in = t3d__shm_info(c->s, p, c->st->h);
     if (in->aux > c->gmax) c->gmax = in->aux;
   }
@@ -499,10 +581,13 @@ static void a2a_from(void *arg, int p) {
                 c->nt);
 }
 
-/* Step k carries piece k (one line-aligned share of the half) of every block: rank p writes its piece for q at
- * offset q * piece of its half, and q copies it out. The number of steps is set by the largest block any rank
- * sends, which every rank learns from the others' step-0 info. */
-static size_t a2a_piece(const t3d_shm_t *s) { return s->half / (size_t)s->size / 64 * 64; }
+/* Step k carries piece k (one line-aligned share of the half, less the table) of every block: rank p writes its
+ * piece for q at offset q * piece of its half, and q copies it out. The number of steps is set by the largest block
+ * any rank sends, which every rank learns from the others' step-0 info; past step 0, blocks large enough for single
+ * copy are read from their owners instead. */
+static size_t a2a_piece(const t3d_shm_t *s) {
+  return (s->half - (size_t)s->size * 2 * sizeof(uint64_t)) / (size_t)s->size / 64 * 64;
+}
 
 /* Largest block this rank sends to another rank, in bytes. */
 static size_t a2a_local_max(int n, int me, const size_t *scounts, size_t es) {
@@ -519,8 +604,15 @@ static t3d_result_t a2a_publish(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step
                                 size_t local_max) {
   size_t piece = a2a_piece(s);
   T3D_CHECK(t3d__shm_step_acquire(s, ex, st));
-  if (lo == 0) t3d__shm_put_info(s, st, T3D_OP_ALLTOALLV, 0, local_max);
   char *half = t3d__shm_half(s, s->rank, st->h);
+  if (lo == 0) {
+    t3d__shm_put_info(s, st, T3D_OP_ALLTOALLV, 0, local_max);
+    uint64_t *table = a2a_table(s, s->rank, st->h, piece);
+    for (int q = 0; q < s->size; q++) {
+      table[2 * q] = (uint64_t)(uintptr_t)(sb + (sdispls[q] * es - sbias));
+      table[2 * q + 1] = scounts[q] * es;
+    }
+  }
   for (int q = 0; q < s->size; q++) {
     size_t blk = scounts[q] * es;
     if (q == s->rank || lo >= blk) continue;
@@ -542,7 +634,8 @@ static a2a_ctx_t a2a_ctx(t3d_shm_t *s, t3d_exec_t *ex, void *recvbuf, const size
                          const size_t *rdispls, size_t es) {
   size_t total = 0;
   for (int q = 0; q < s->size; q++) total += (scounts[q] + rcounts[q]) * es;
-  a2a_ctx_t c = {s, ex, NULL, recvbuf, rcounts, rdispls, es, 0, a2a_piece(s), 0,
+  /* gmax starts at this rank's own largest block: the peers' step-0 infos only tell theirs. */
+  a2a_ctx_t c = {s, ex, NULL, recvbuf, rcounts, rdispls, es, 0, a2a_piece(s), a2a_local_max(s->size, s->rank, scounts, es),
                  s->nt && total / 2 * (size_t)s->size >= s->nt_min, T3D_OK};
   return c;
 }
@@ -556,6 +649,23 @@ static t3d_result_t a2a_check_self(t3d_exec_t *ex, const size_t *scounts, const 
   return T3D_ERR_MISMATCH;
 }
 
+/* Single copy of what step 0 left: every block's bytes from lo on, read from its owner at the address its table
+ * gave; then posts the end of reading as a phase of its own (no step: the halves are not used) and sets *done to
+ * it, for the caller to wait on once it has moved its own block. */
+static t3d_result_t a2a_direct_rest(a2a_ctx_t *c, size_t lo, uint64_t *done) {
+  t3d_shm_t *s = c->s;
+  t3d_result_t res = T3D_OK;
+  for (int i = 1; i < s->size && res == T3D_OK; i++) {
+    int p = (s->rank + i) % s->size;
+    size_t blk = c->rcounts[p] * c->es;
+    if (blk > lo) res = read_peer(s, c->ex, p, s->rpid[p], c->rb + c->rdispls[p] * c->es + lo, s->raddr[p] + lo,
+                                  blk - lo);
+  }
+  *done = ++s->phase;
+  t3d__shm_post(s, *done); /* also after a failed read: the owners then need not wait for the deadline */
+  return res;
+}
+
 /* Steps from `from` on (step 0 is published and collected by the caller when from > 0), then this rank's own
  * block. */
 static t3d_result_t a2a_steps(a2a_ctx_t *c, size_t from, const char *sb, size_t sbias, const size_t *scounts,
@@ -563,7 +673,12 @@ static t3d_result_t a2a_steps(a2a_ctx_t *c, size_t from, const char *sb, size_t 
   t3d_shm_t *s = c->s;
   int me = s->rank;
   size_t es = c->es, local_max = a2a_local_max(s->size, me, scounts, es);
+  uint64_t done = 0;
   for (size_t lo = from; lo == 0 || lo < c->gmax; lo += c->piece) {
+    if (lo > 0 && use_direct(s, c->gmax)) {
+      T3D_CHECK(a2a_direct_rest(c, lo, &done));
+      break;
+    }
     t3d_shm_step_t st;
     t3d__shm_step_begin(s, 2, &st);
     T3D_CHECK(a2a_publish(s, c->ex, &st, sb, sbias, scounts, sdispls, es, lo, local_max));
@@ -574,7 +689,8 @@ static t3d_result_t a2a_steps(a2a_ctx_t *c, size_t from, const char *sb, size_t 
   char *own_dst = c->rb + c->rdispls[me] * es;
   const char *own_src = sb + (sdispls[me] * es - sbias);
   if (scounts[me] > 0 && own_dst != own_src) memmove(own_dst, own_src, scounts[me] * es);
-  return T3D_OK;
+  /* Single copy: nobody may read this rank's send blocks any more once this returns. */
+  return done != 0 ? t3d__shm_wait(s, c->ex, -1, done) : T3D_OK;
 }
 
 t3d_result_t t3d__shm_alltoallv(t3d_exec_t *ex, const void *sendbuf, const size_t *scounts, const size_t *sdispls,

@@ -4,6 +4,7 @@
 // Children never touch gtest: they report through their exit code and one line each on a pipe.
 #include <gtest/gtest.h>
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
@@ -69,10 +70,17 @@ struct ChildArgs {
   int report_fd;
   int ready_fd;  // rank 2 writes one byte here once it has run a few iterations (kParentKill)
   Death death;
+  std::string log;  // non-empty: T3D_DEBUG=INFO into files with this prefix
 };
 
 // The body of a child process: init, then allreduce in a loop until the planned death shows as an error.
 [[noreturn]] void ChildMain(const ChildArgs &a) {
+  if (!a.log.empty()) {
+    setenv("T3D_DEBUG", "INFO", 1);
+    setenv("T3D_DEBUG_FILE", a.log.c_str(), 1);
+    // Single copy is off by default with more ranks than cores (3 here on 2 cores); setting the size turns it on.
+    setenv("T3D_SHM_DIRECT_BYTES", "65536", 1);
+  }
   FileStore store(a.dir);
   t3d_config_t cfg;
   t3d_config_init(&cfg);
@@ -168,6 +176,58 @@ struct ChildArgs {
       }
     }
   }
+  // Collectives whose blocks are large enough to be read straight from the owner's process (single copy): an
+  // allgather, an alltoallv where only rank 0 sends large blocks, a broadcast from rank 1. New data every iteration,
+  // so a reader that copied before the owner filled its buffer, or after it moved on, sees the wrong values.
+  const size_t big = 100000;  // floats: 400 kB blocks
+  for (int it = 0; it < 4; ++it) {
+    auto value = [&](int from, int to, size_t i) {
+      return static_cast<float>(from * 100000 + to * 1000 + it * 10 + static_cast<int>(i % 9));
+    };
+    auto check = [&](const char *what, const std::vector<float> &got, size_t at, int from, int to, size_t n) {
+      for (size_t i = 0; i < n; ++i) {
+        if (got[at + i] != value(from, to, i)) {
+          Report(a.report_fd, a.rank, "%s, iteration %d, from rank %d, element %zu: got %g expected %g", what, it,
+                 from, i, got[at + i], value(from, to, i));
+          _exit(kExitWrongResult);
+        }
+      }
+    };
+    t3d_request_t *q = nullptr;
+    auto run = [&](const char *what, t3d_result_t issued) {
+      if (issued == T3D_OK) issued = t3d_wait(q, 10 * kCommTimeoutMs);
+      if (issued != T3D_OK) {
+        Report(a.report_fd, a.rank, "%s, iteration %d: %s: %s", what, it, t3d_result_string(issued),
+               q ? t3d_request_error(q) : t3d_comm_last_error(comm));
+        _exit(kExitCallFailed);
+      }
+      t3d_request_free(q);
+      q = nullptr;
+    };
+    std::vector<float> mine(big), all(big * kWorld, -1.0f);
+    for (size_t i = 0; i < big; ++i) mine[i] = value(a.rank, 0, i);
+    run("allgather", t3d_allgather(comm, mine.data(), all.data(), big, T3D_FLOAT32, nullptr, &q));
+    for (int p = 0; p < kWorld; ++p) check("allgather", all, big * p, p, 0, big);
+
+    std::vector<size_t> sc(kWorld), sd(kWorld), rc(kWorld), rd(kWorld);
+    size_t s_at = 0, r_at = 0;
+    for (int p = 0; p < kWorld; ++p) {
+      sc[p] = a.rank == 0 ? big : 10, sd[p] = s_at, s_at += sc[p];
+      rc[p] = p == 0 ? big : 10, rd[p] = r_at, r_at += rc[p];
+    }
+    std::vector<float> sendv(s_at), recvv(r_at, -1.0f);
+    for (int p = 0; p < kWorld; ++p)
+      for (size_t i = 0; i < sc[p]; ++i) sendv[sd[p] + i] = value(a.rank, p, i);
+    run("alltoallv", t3d_alltoallv(comm, sendv.data(), sc.data(), sd.data(), recvv.data(), rc.data(), rd.data(),
+                                   T3D_FLOAT32, nullptr, &q));
+    for (int p = 0; p < kWorld; ++p) check("alltoallv", recvv, rd[p], p, a.rank, rc[p]);
+
+    std::vector<float> bc(3 * big, -1.0f);
+    if (a.rank == 1)
+      for (size_t i = 0; i < bc.size(); ++i) bc[i] = value(1, 2, i);
+    run("broadcast", t3d_broadcast(comm, bc.data(), bc.size(), T3D_FLOAT32, 1, nullptr, &q));
+    check("broadcast", bc, 0, 1, 2, bc.size());
+  }
   r = t3d_comm_destroy(comm);
   if (r != T3D_OK) {
     Report(a.report_fd, a.rank, "t3d_comm_destroy -> %s", t3d_result_string(r));
@@ -198,7 +258,7 @@ std::string ReadAll(int fd) {
 
 // Forks kWorld children, plays the parent's part of `death`, and waits for all of them under a hard deadline
 // (killing every child when it passes). Returns each child's wait status; -1 for one that had to be killed.
-std::vector<int> RunChildren(Death death, std::string *reports) {
+std::vector<int> RunChildren(Death death, std::string *reports, const std::string &log = "") {
   const std::string dir = "/tmp/" + UniqueName("t3d-fork");
   FileStore store(dir);
   int report_pipe[2], ready_pipe[2];
@@ -218,7 +278,7 @@ std::vector<int> RunChildren(Death death, std::string *reports) {
     if (pid == 0) {
       close(report_pipe[0]);
       close(ready_pipe[0]);
-      ChildArgs a{rank, dir, "fork", report_pipe[1], ready_pipe[1], death};
+      ChildArgs a{rank, dir, "fork", report_pipe[1], ready_pipe[1], death, log};
       ChildMain(a);
     }
     pids[rank] = pid;
@@ -302,11 +362,35 @@ void ExpectExitedOk(const std::vector<int> &status, int rank, const std::string 
       << (WIFEXITED(st) ? ExitMeaning(WEXITSTATUS(st)) : "signal") << ")\nchild reports:\n" << reports;
 }
 
+// The clean run also checks, in the ranks' INFO logs, that the paths it means to cover were the ones taken:
+// point-to-point over shared memory and single-copy collectives (both need cross-memory attach between processes).
 TEST(Fork, CleanRunOverFileStore) {
   std::string reports;
-  std::vector<int> status = RunChildren(Death::kNone, &reports);
+  const std::string log = "/tmp/" + UniqueName("t3d-fork-log");
+  std::vector<int> status = RunChildren(Death::kNone, &reports, log);
   ASSERT_EQ(status.size(), static_cast<size_t>(kWorld));
   for (int r = 0; r < kWorld; ++r) ExpectExitedOk(status, r, reports);
+  std::string logs;
+  const std::string dir = "/tmp", base = log.substr(5) + ".";
+  if (DIR *d = opendir(dir.c_str())) {
+    while (struct dirent *e = readdir(d)) {
+      if (strncmp(e->d_name, base.c_str(), base.size()) != 0) continue;
+      const std::string path = dir + "/" + e->d_name;
+      int fd = open(path.c_str(), O_RDONLY);
+      if (fd >= 0) {
+        logs += ReadAll(fd);
+        close(fd);
+      }
+      unlink(path.c_str());
+    }
+    closedir(d);
+  }
+  size_t lines = 0;
+  const char *want = "point-to-point over shared memory, single-copy collectives for blocks of 65536 to 8388608 bytes";
+  for (size_t at = 0; (at = logs.find(want, at)) != std::string::npos; ++at)
+    lines++;
+  EXPECT_EQ(lines, static_cast<size_t>(kWorld)) << "every rank should log that it runs point-to-point over shared "
+                                                    "memory and single-copy collectives; logs:\n" << logs;
 }
 
 void ExpectSurvivorsReported(Death death) {

@@ -99,7 +99,8 @@ std::vector<std::string> OurSegments() {
 
 struct Param {
   int n;
-  bool tiny;  // T3D_SHM_BYTES=128 KiB, no one-shot, non-temporal stores from 1 byte
+  bool tiny;    // T3D_SHM_BYTES=128 KiB, no one-shot, non-temporal stores from 1 byte
+  bool direct;  // T3D_SHM_DIRECT_BYTES=1: allgatherv and alltoallv read every block they can from its owner
 };
 
 class Shm : public ::testing::TestWithParam<Param> {
@@ -110,16 +111,18 @@ class Shm : public ::testing::TestWithParam<Param> {
       setenv("T3D_SHM_ONESHOT_BYTES", "0", 1);
       setenv("T3D_SHM_NT_BYTES", "1", 1);
     }
+    if (GetParam().direct) setenv("T3D_SHM_DIRECT_BYTES", "1", 1);
   }
   void TearDown() override {
     unsetenv("T3D_SHM_BYTES");
     unsetenv("T3D_SHM_ONESHOT_BYTES");
     unsetenv("T3D_SHM_NT_BYTES");
+    unsetenv("T3D_SHM_DIRECT_BYTES");
   }
 };
 
 std::string ParamName(const ::testing::TestParamInfo<Param> &info) {
-  return "n" + std::to_string(info.param.n) + (info.param.tiny ? "_tiny" : "");
+  return "n" + std::to_string(info.param.n) + (info.param.tiny ? "_tiny" : "") + (info.param.direct ? "_direct" : "");
 }
 
 TEST_P(Shm, UsesSharedMemoryAndLeavesNoFile) {
@@ -332,6 +335,38 @@ TEST_P(Shm, Alltoallv) {
   });
 }
 
+// One rank sends large blocks, the others small ones: every rank must run the steps (or the single-copy reads)
+// the largest block needs, not only those its own or its peers' blocks need.
+TEST_P(Shm, AlltoallvOneLargeSender) {
+  const int n = GetParam().n;
+  RunRanks(n, [&](int rank, t3d_comm_t *comm) {
+    for (size_t big : {static_cast<size_t>(300000), static_cast<size_t>(5)}) {
+      STOP_IF_FAILED();
+      for (int sender = 0; sender < n; sender += n - 1) {
+        auto count = [&](int from, int to) { return from == to ? 3 : (from == sender ? big + to : 2 + to); };
+        std::vector<size_t> sc(n), sd(n), rc(n), rd(n);
+        size_t s_at = 0, r_at = 0;
+        for (int p = 0; p < n; ++p) {
+          sc[p] = count(rank, p), sd[p] = s_at, s_at += sc[p];
+          rc[p] = count(p, rank), rd[p] = r_at, r_at += rc[p];
+        }
+        std::vector<int32_t> in(s_at), out(r_at, -1), expect(r_at);
+        for (int p = 0; p < n; ++p)
+          for (size_t i = 0; i < sc[p]; ++i) in[sd[p] + i] = static_cast<int32_t>(rank * 1000003 + p * 7919 + i);
+        for (int p = 0; p < n; ++p)
+          for (size_t i = 0; i < rc[p]; ++i) expect[rd[p] + i] = static_cast<int32_t>(p * 1000003 + rank * 7919 + i);
+        const std::string what = "alltoallv, rank " + std::to_string(sender) + " sends " + std::to_string(big);
+        if (!RunOk(comm, what, [&](t3d_request_t **r) {
+              return t3d_alltoallv(comm, in.data(), sc.data(), sd.data(), out.data(), rc.data(), rd.data(), T3D_INT32,
+                                   nullptr, r);
+            }))
+          return;
+        EXPECT_TRUE(out == expect) << Tag(rank, what);
+      }
+    }
+  });
+}
+
 TEST_P(Shm, BarrierAndMixedPipeline) {
   const int n = GetParam().n;
   std::atomic<int> arrived{0};
@@ -425,8 +460,10 @@ TEST_P(Shm, TwoCommunicatorsAtOnce) {
 }
 
 INSTANTIATE_TEST_SUITE_P(World, Shm,
-                         ::testing::Values(Param{2, false}, Param{3, false}, Param{4, false}, Param{8, false},
-                                           Param{2, true}, Param{3, true}, Param{8, true}),
+                         ::testing::Values(Param{2, false, false}, Param{3, false, false}, Param{4, false, false},
+                                           Param{8, false, false}, Param{2, true, false}, Param{3, true, false},
+                                           Param{8, true, false}, Param{2, false, true}, Param{3, true, true},
+                                           Param{8, false, true}),
                          ParamName);
 
 // ---------- waiting ----------
@@ -546,6 +583,36 @@ TEST(ShmFailure, SizeMismatchIsReported) {
       EXPECT_NE(err.find("disagree"), std::string::npos) << err;
     }
   }, o);
+}
+
+// An alltoallv whose ranks disagree on a split (rank 0 sends 5 elements to rank 1, which expects 6) fails on the
+// receiver with a mismatch naming the sender and both lengths, whether the blocks go through the segment or are read
+// from the sender (single copy). The sender's own blocks all arrive as it expects: it may complete.
+TEST(ShmFailure, AlltoallvSplitMismatchIsReported) {
+  for (const char *direct : {"0", "1"}) {
+    setenv("T3D_SHM_DIRECT_BYTES", direct, 1);
+    RunOptions o;
+    o.comm_timeout_ms = 1000;
+    o.abort_on_failure = false;
+    RunRanks(2, [&](int rank, t3d_comm_t *comm) {
+      std::vector<size_t> sc = {4, rank == 0 ? size_t{5} : size_t{4}}, rc = {4, 4}, sd = {0, 4}, rd = {0, 4};
+      if (rank == 1) rc[0] = 6, rd[1] = 6;
+      std::vector<float> in(9, 1.0f), out(10);
+      std::string err;
+      t3d_request_t *req = nullptr;
+      const t3d_result_t call = t3d_alltoallv(comm, in.data(), sc.data(), sd.data(), out.data(), rc.data(),
+                                              rd.data(), T3D_FLOAT32, nullptr, &req);
+      t3d_result_t r = Complete(call, req, &err);
+      if (rank == 1) {
+        EXPECT_EQ(r, T3D_ERR_MISMATCH) << "direct " << direct << ": " << err;
+        EXPECT_NE(err.find("rank 0 sends 20 bytes to this rank, which expects 24"), std::string::npos) << err;
+      } else {
+        EXPECT_TRUE(r == T3D_OK || r == T3D_ERR_MISMATCH || r == T3D_ERR_TIMEOUT)
+            << Tag(rank, t3d_result_string(r)) << " " << err;
+      }
+    }, o);
+  }
+  unsetenv("T3D_SHM_DIRECT_BYTES");
 }
 
 // A segment larger than /dev/shm can hold fails init at once with T3D_ERR_NO_MEMORY and a reason naming /dev/shm and
