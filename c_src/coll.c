@@ -240,10 +240,10 @@ t3d_result_t t3d_reduce_scatter(t3d_comm_t *comm, const void *sendbuf, void *rec
   return res;
 }
 
-t3d_result_t t3d_alltoallv(t3d_comm_t *comm, const void *sendbuf, const size_t *sendcounts, const size_t *sdispls,
-                           void *recvbuf, const size_t *recvcounts, const size_t *rdispls, t3d_dtype_t dtype,
-                           const t3d_opts_t *opts, t3d_request_t **req) {
-  const char *fn = "t3d_alltoallv";
+/* equal: from t3d_alltoall (blocks of one size, at consecutive places). */
+static t3d_result_t alltoallv(t3d_comm_t *comm, const char *fn, const void *sendbuf, const size_t *sendcounts,
+                              const size_t *sdispls, void *recvbuf, const size_t *recvcounts, const size_t *rdispls,
+                              t3d_dtype_t dtype, const t3d_opts_t *opts, t3d_request_t **req, int equal) {
   T3D_CHECK(check_base(comm, fn, req));
   T3D_CHECK(check_dtype(comm, fn, dtype));
   const char *names[4] = {"sendcounts", "sdispls", "recvcounts", "rdispls"};
@@ -263,9 +263,17 @@ t3d_result_t t3d_alltoallv(t3d_comm_t *comm, const void *sendbuf, const size_t *
   r->sendbuf = sendbuf;
   r->recvbuf = recvbuf;
   r->dtype = dtype;
+  r->equal_blocks = equal;
   t3d_result_t res = copy_arrays(r, sendcounts, sdispls, recvcounts, rdispls);
   if (res != T3D_OK) return drop(r, res);
   return t3d__submit(comm, r, req);
+}
+
+t3d_result_t t3d_alltoallv(t3d_comm_t *comm, const void *sendbuf, const size_t *sendcounts, const size_t *sdispls,
+                           void *recvbuf, const size_t *recvcounts, const size_t *rdispls, t3d_dtype_t dtype,
+                           const t3d_opts_t *opts, t3d_request_t **req) {
+  return alltoallv(comm, "t3d_alltoallv", sendbuf, sendcounts, sdispls, recvbuf, recvcounts, rdispls, dtype, opts,
+                   req, 0);
 }
 
 t3d_result_t t3d_alltoall(t3d_comm_t *comm, const void *sendbuf, void *recvbuf, size_t count, t3d_dtype_t dtype,
@@ -273,7 +281,8 @@ t3d_result_t t3d_alltoall(t3d_comm_t *comm, const void *sendbuf, void *recvbuf, 
   if (comm == NULL) return T3D_ERR_INVALID_ARG;
   size_t *counts, *displs;
   T3D_CHECK(equal_counts(comm, count, &counts, &displs));
-  t3d_result_t res = t3d_alltoallv(comm, sendbuf, counts, displs, recvbuf, counts, displs, dtype, opts, req);
+  t3d_result_t res = alltoallv(comm, "t3d_alltoall", sendbuf, counts, displs, recvbuf, counts, displs, dtype, opts,
+                               req, 1);
   free(counts);
   return res;
 }
@@ -462,7 +471,7 @@ int t3d__inline_eligible(t3d_comm_t *comm, const t3d_request_t *r) {
       if (t3d__alltoall_overlaps(comm->size, r->sendbuf, r->scounts, r->sdispls, r->recvbuf, r->rcounts, r->rdispls,
                                  es))
         return 0;
-      return t3d__shm_a2a_fits(comm->shm, maxb);
+      return t3d__shm_a2a_fits(comm->shm, maxb, r->equal_blocks);
     default: return 0;
   }
 }
@@ -548,7 +557,7 @@ t3d_result_t t3d__execute(t3d_exec_t *ex, t3d_request_t *r) {
     case T3D_OP_ALLTOALLV:
       if (shm) {
         return t3d__shm_alltoallv(ex, r->sendbuf, r->scounts, r->sdispls, r->recvbuf, r->rcounts, r->rdispls,
-                                  esize);
+                                  esize, r->equal_blocks);
       }
       b1 = to_bytes(r->scounts, r->sdispls, ex->size, esize);
       b2 = to_bytes(r->rcounts, r->rdispls, ex->size, esize);

@@ -53,6 +53,7 @@ struct t3d_request {
   int64_t tag;
   size_t *arrays; /* copied counts/displacements, one allocation */
   size_t *scounts, *sdispls, *rcounts, *rdispls;
+  int equal_blocks; /* alltoallv from t3d_alltoall: every rank knows every block's size (shm: single copy at once) */
   /* point-to-point over shared memory (shm/p2p.c): on_shm, also on a group with such children (waiters then
    * drive progress), and a rendezvous send's record */
   int on_shm;

@@ -188,9 +188,10 @@ t3d_result_t t3d__shm_reduce_scatterv(t3d_exec_t *ex, const void *sendbuf, void 
 t3d_result_t t3d__shm_broadcast(t3d_exec_t *ex, void *buf, size_t bytes, int root);
 t3d_result_t t3d__shm_allgatherv(t3d_exec_t *ex, const void *sendbuf, void *recvbuf, const size_t *bytes,
                                  const size_t *displs_bytes);
-/* Counts and displacements in elements of es bytes. */
+/* Counts and displacements in elements of es bytes; equal: blocks of one size at consecutive places (t3d_alltoall),
+ * as every rank was told. */
 t3d_result_t t3d__shm_alltoallv(t3d_exec_t *ex, const void *sendbuf, const size_t *scounts, const size_t *sdispls,
-                                void *recvbuf, const size_t *rcounts, const size_t *rdispls, size_t es);
+                                void *recvbuf, const size_t *rcounts, const size_t *rdispls, size_t es, int equal);
 t3d_result_t t3d__shm_barrier(t3d_exec_t *ex);
 /* Collectives a caller starts on its own thread, in parts: start publishes what this rank contributes and never
  * waits; start_wait waits until rank `who` (-1: every other rank) has published (T3D_OK), until `until`
@@ -229,7 +230,7 @@ t3d_result_t t3d__shm_rs_start(t3d_exec_t *ex, const void *sendbuf, const size_t
                                t3d_shm_resume_t *rs);
 t3d_result_t t3d__shm_rs_finish(t3d_exec_t *ex, const t3d_shm_resume_t *rs, const void *sendbuf, void *recvbuf,
                                 const size_t *counts, t3d_dtype_t dt, t3d_redop_t op);
-int t3d__shm_a2a_fits(t3d_shm_t *shm, size_t max_send_block_bytes);
+int t3d__shm_a2a_fits(t3d_shm_t *shm, size_t max_send_block_bytes, int equal);
 t3d_result_t t3d__shm_a2a_start(t3d_exec_t *ex, const void *sendbuf, const size_t *scounts, const size_t *sdispls,
                                 size_t es, t3d_shm_resume_t *rs);
 t3d_result_t t3d__shm_a2a_finish(t3d_exec_t *ex, const t3d_shm_resume_t *rs, const void *sendbuf,

@@ -693,8 +693,45 @@ static t3d_result_t a2a_steps(a2a_ctx_t *c, size_t from, const char *sb, size_t 
   return done != 0 ? t3d__shm_wait(s, c->ex, -1, done) : T3D_OK;
 }
 
+/* Single copy of equal blocks (t3d_alltoall): every rank knows every block's size up front, so the whole exchange
+ * is one step: publish where block 0 of the send buffer is, read this rank's block from every peer as soon as it
+ * has published, say so, move the own block, and wait until every peer has read. */
+typedef struct {
+  t3d_shm_t *s;
+  t3d_exec_t *ex;
+  const t3d_shm_step_t *st;
+  char *rb;
+  size_t blk;
+  t3d_result_t res;
+} a2a_equal_t;
+
+static void a2a_equal_from(void *arg, int p) {
+  a2a_equal_t *c = arg;
+  if (c->res == T3D_OK) c->res = t3d__shm_check_info(c->s, c->ex, c->st, p, T3D_OP_ALLTOALLV, c->blk);
+  if (c->res != T3D_OK) return;
+  const t3d_shm_info_t *in = t3d__shm_info(c->s, p, c->st->h);
+  c->res = read_peer(c->s, c->ex, p, (int)in->pid, c->rb + (size_t)p * c->blk, in->addr + (uint64_t)c->s->rank * c->blk,
+                     c->blk);
+}
+
+static t3d_result_t a2a_equal_direct(t3d_shm_t *s, t3d_exec_t *ex, const char *block0, char *rb, size_t blk) {
+  t3d_shm_step_t st;
+  t3d__shm_step_begin(s, 2, &st);
+  T3D_CHECK(t3d__shm_step_acquire(s, ex, &st));
+  t3d__shm_put_info(s, &st, T3D_OP_ALLTOALLV, blk, blk);
+  t3d__shm_put_addr(s, &st, block0);
+  t3d__shm_post(s, st.base + 1);
+  a2a_equal_t c = {s, ex, &st, rb, blk, T3D_OK};
+  T3D_CHECK(t3d__shm_wait_each(s, ex, st.base + 1, a2a_equal_from, &c));
+  t3d__shm_post(s, st.base + 2); /* also after a failed read: the owners then need not wait for the deadline */
+  T3D_CHECK(c.res);
+  size_t own = (size_t)s->rank * blk;
+  if (rb + own != block0 + own) memmove(rb + own, block0 + own, blk);
+  return t3d__shm_wait(s, ex, -1, st.base + 2);
+}
+
 t3d_result_t t3d__shm_alltoallv(t3d_exec_t *ex, const void *sendbuf, const size_t *scounts, const size_t *sdispls,
-                                void *recvbuf, const size_t *rcounts, const size_t *rdispls, size_t es) {
+                                void *recvbuf, const size_t *rcounts, const size_t *rdispls, size_t es, int equal) {
   t3d_shm_t *s = t3d__exec_shm(ex);
   T3D_CHECK(a2a_check_self(ex, scounts, rcounts, es));
   /* Incoming blocks may overwrite outgoing ones that later steps still read: then send from a copy. */
@@ -703,16 +740,22 @@ t3d_result_t t3d__shm_alltoallv(t3d_exec_t *ex, const void *sendbuf, const size_
   void *copy;
   T3D_CHECK(t3d__alltoall_source(s->size, sendbuf, scounts, sdispls, recvbuf, rcounts, rdispls, es, &sb, &sbias,
                                  &copy));
-  a2a_ctx_t c = a2a_ctx(s, ex, recvbuf, scounts, rcounts, rdispls, es);
-  t3d_result_t res = a2a_steps(&c, 0, sb, sbias, scounts, sdispls);
+  t3d_result_t res;
+  size_t blk = scounts[0] * es;
+  if (equal && s->size > 1 && use_direct(s, blk)) {
+    res = a2a_equal_direct(s, ex, sb + (sdispls[0] * es - sbias), (char *)recvbuf + rdispls[0] * es, blk);
+  } else {
+    a2a_ctx_t c = a2a_ctx(s, ex, recvbuf, scounts, rcounts, rdispls, es);
+    res = a2a_steps(&c, 0, sb, sbias, scounts, sdispls);
+  }
   free(copy);
   return res;
 }
 
 /* In parts: step 0 published by start, collected (and any further steps run) by finish. The caller made sure that
  * the receive blocks do not overlap the send blocks, so no copy of the input is needed. */
-int t3d__shm_a2a_fits(t3d_shm_t *s, size_t max_send_block_bytes) {
-  return max_send_block_bytes <= a2a_piece(s) && next_half_free(s);
+int t3d__shm_a2a_fits(t3d_shm_t *s, size_t max_send_block_bytes, int equal) {
+  return max_send_block_bytes <= a2a_piece(s) && !(equal && use_direct(s, max_send_block_bytes)) && next_half_free(s);
 }
 
 t3d_result_t t3d__shm_a2a_start(t3d_exec_t *ex, const void *sendbuf, const size_t *scounts, const size_t *sdispls,

@@ -177,7 +177,8 @@ struct ChildArgs {
     }
   }
   // Collectives whose blocks are large enough to be read straight from the owner's process (single copy): an
-  // allgather, an alltoallv where only rank 0 sends large blocks, a broadcast from rank 1. New data every iteration,
+  // allgather, an alltoallv where only rank 0 sends large blocks, an alltoall; then a broadcast from rank 1 (through
+  // the segment). New data every iteration,
   // so a reader that copied before the owner filled its buffer, or after it moved on, sees the wrong values.
   const size_t big = 100000;  // floats: 400 kB blocks
   for (int it = 0; it < 4; ++it) {
@@ -221,6 +222,12 @@ struct ChildArgs {
     run("alltoallv", t3d_alltoallv(comm, sendv.data(), sc.data(), sd.data(), recvv.data(), rc.data(), rd.data(),
                                    T3D_FLOAT32, nullptr, &q));
     for (int p = 0; p < kWorld; ++p) check("alltoallv", recvv, rd[p], p, a.rank, rc[p]);
+
+    std::vector<float> eq_in(big * kWorld), eq_out(big * kWorld, -1.0f);
+    for (int p = 0; p < kWorld; ++p)
+      for (size_t i = 0; i < big; ++i) eq_in[big * p + i] = value(a.rank, p, i);
+    run("alltoall", t3d_alltoall(comm, eq_in.data(), eq_out.data(), big, T3D_FLOAT32, nullptr, &q));
+    for (int p = 0; p < kWorld; ++p) check("alltoall", eq_out, big * p, p, a.rank, big);
 
     std::vector<float> bc(3 * big, -1.0f);
     if (a.rank == 1)
