@@ -6,6 +6,7 @@
  * ("single copy" below). */
 #include "shm.h"
 
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -40,6 +41,11 @@ static int use_direct(const t3d_shm_t *s, size_t block) {
 static t3d_result_t read_peer(t3d_shm_t *s, t3d_exec_t *ex, int p, int pid, void *dst, uint64_t addr, size_t len) {
   int err = len > 0 ? t3d__shm_cma_read(s->pid, pid, dst, addr, len) : 0;
   if (err == 0) return T3D_OK;
+  if (err == ESRCH) { /* the owner's process is gone */
+    snprintf(ex->error, sizeof ex->error, "t3d: %s #%llu on group '%s' (rank %d of %d): rank %d's process (pid %d) "
+             "is gone", ex->opname, (unsigned long long)ex->seq, ex->comm->name, ex->rank, ex->size, p, pid);
+    return T3D_ERR_PEER_LOST;
+  }
   snprintf(ex->error, sizeof ex->error,
            "t3d: %s #%llu on group '%s' (rank %d of %d): reading %zu bytes from rank %d's memory (process_vm_readv) "
            "failed: %s; T3D_SHM_DIRECT_BYTES=0 copies through shared memory instead",

@@ -71,16 +71,18 @@ struct ChildArgs {
   int ready_fd;  // rank 2 writes one byte here once it has run a few iterations (kParentKill)
   Death death;
   std::string log;  // non-empty: T3D_DEBUG=INFO into files with this prefix
+  bool gather;      // the loop runs allgathers of blocks that are read from their owners (single copy)
 };
 
-// The body of a child process: init, then allreduce in a loop until the planned death shows as an error.
+// The body of a child process: init, then allreduce (or allgather) in a loop until the planned death shows as an
+// error.
 [[noreturn]] void ChildMain(const ChildArgs &a) {
   if (!a.log.empty()) {
     setenv("T3D_DEBUG", "INFO", 1);
     setenv("T3D_DEBUG_FILE", a.log.c_str(), 1);
-    // Single copy is off by default with more ranks than cores (3 here on 2 cores); setting the size turns it on.
-    setenv("T3D_SHM_DIRECT_BYTES", "65536", 1);
   }
+  // Single copy is off by default with more ranks than cores (3 here on 2 cores); setting the size turns it on.
+  setenv("T3D_SHM_DIRECT_BYTES", "65536", 1);
   FileStore store(a.dir);
   t3d_config_t cfg;
   t3d_config_init(&cfg);
@@ -93,8 +95,9 @@ struct ChildArgs {
     Report(a.report_fd, a.rank, "t3d_comm_init -> %s", t3d_result_string(r));
     _exit(kExitInit);
   }
-  const size_t count = 4096;
-  std::vector<float> in(count), out(count);
+  const size_t count = a.gather ? 100000 : 4096;  // allgather: 400 kB blocks
+  std::vector<float> in(count), out(a.gather ? count * kWorld : count);
+  const char *opname = a.gather ? "allgather" : "allreduce";
   const int max_iters = a.death == Death::kNone ? 50 : 1000000;
   const auto loop_start = Clock::now();
   for (int it = 0; it < max_iters; ++it) {
@@ -107,13 +110,16 @@ struct ChildArgs {
     for (size_t i = 0; i < count; ++i) in[i] = static_cast<float>(a.rank + 1 + static_cast<int>(i % 5));
     t3d_request_t *req = nullptr;
     const auto t0 = Clock::now();
-    r = t3d_allreduce(comm, in.data(), out.data(), count, T3D_FLOAT32, T3D_SUM, nullptr, &req);
+    r = a.gather ? t3d_allgather(comm, in.data(), out.data(), count, T3D_FLOAT32, nullptr, &req)
+                 : t3d_allreduce(comm, in.data(), out.data(), count, T3D_FLOAT32, T3D_SUM, nullptr, &req);
     if (r == T3D_OK) r = t3d_wait(req, 10 * kCommTimeoutMs);
     const int64_t took = MsSince(t0);
     if (r == T3D_OK) {
       t3d_request_free(req);
-      for (size_t i = 0; i < count; ++i) {
-        const float want = static_cast<float>(kWorld * (kWorld + 1) / 2 + kWorld * static_cast<int>(i % 5));
+      for (size_t i = 0; i < out.size(); ++i) {
+        const int five = static_cast<int>(i % count % 5);
+        const float want = a.gather ? static_cast<float>(static_cast<int>(i / count) + 1 + five)
+                                    : static_cast<float>(kWorld * (kWorld + 1) / 2 + kWorld * five);
         if (out[i] != want) {
           Report(a.report_fd, a.rank, "iteration %d element %zu: got %g expected %g", it, i, out[i], want);
           _exit(kExitWrongResult);
@@ -138,7 +144,7 @@ struct ChildArgs {
     int code = kExitOk;
     if (r != T3D_ERR_TIMEOUT && r != T3D_ERR_PEER_LOST) code = kExitWrongCode;
     else if (took > 2 * kCommTimeoutMs) code = kExitTooSlow;
-    else if (text.find("allreduce") == std::string::npos) code = kExitBadText;
+    else if (text.find(opname) == std::string::npos) code = kExitBadText;
     // The communicator is broken; destroy must still return.
     r = t3d_comm_destroy(comm);
     if (r != T3D_OK && code == kExitOk) {
@@ -265,7 +271,7 @@ std::string ReadAll(int fd) {
 
 // Forks kWorld children, plays the parent's part of `death`, and waits for all of them under a hard deadline
 // (killing every child when it passes). Returns each child's wait status; -1 for one that had to be killed.
-std::vector<int> RunChildren(Death death, std::string *reports, const std::string &log = "") {
+std::vector<int> RunChildren(Death death, std::string *reports, const std::string &log = "", bool gather = false) {
   const std::string dir = "/tmp/" + UniqueName("t3d-fork");
   FileStore store(dir);
   int report_pipe[2], ready_pipe[2];
@@ -285,7 +291,7 @@ std::vector<int> RunChildren(Death death, std::string *reports, const std::strin
     if (pid == 0) {
       close(report_pipe[0]);
       close(ready_pipe[0]);
-      ChildArgs a{rank, dir, "fork", report_pipe[1], ready_pipe[1], death, log};
+      ChildArgs a{rank, dir, "fork", report_pipe[1], ready_pipe[1], death, log, gather};
       ChildMain(a);
     }
     pids[rank] = pid;
@@ -400,9 +406,9 @@ TEST(Fork, CleanRunOverFileStore) {
                                                     "memory and single-copy collectives; logs:\n" << logs;
 }
 
-void ExpectSurvivorsReported(Death death) {
+void ExpectSurvivorsReported(Death death, bool gather = false) {
   std::string reports;
-  std::vector<int> status = RunChildren(death, &reports);
+  std::vector<int> status = RunChildren(death, &reports, "", gather);
   ASSERT_EQ(status.size(), static_cast<size_t>(kWorld));
   const int st2 = status[2];
   EXPECT_TRUE(st2 != -1 && WIFSIGNALED(st2) && WTERMSIG(st2) == SIGKILL)
@@ -416,5 +422,12 @@ void ExpectSurvivorsReported(Death death) {
 TEST(Fork, RankKillsItselfSurvivorsFail) { ExpectSurvivorsReported(Death::kSelfKill); }
 
 TEST(Fork, ParentKillsRankSurvivorsFail) { ExpectSurvivorsReported(Death::kParentKill); }
+
+// The same deaths in a loop of single-copy allgathers: a survivor waiting for the dead rank's block, reading it
+// from a process that is gone, or waiting for it to finish reading its own block, fails with a timeout or a lost
+// peer that names the allgather, in time.
+TEST(Fork, RankKillsItselfDuringSingleCopySurvivorsFail) { ExpectSurvivorsReported(Death::kSelfKill, true); }
+
+TEST(Fork, ParentKillsRankDuringSingleCopySurvivorsFail) { ExpectSurvivorsReported(Death::kParentKill, true); }
 
 }  // namespace
