@@ -255,6 +255,7 @@ int t3d_request_poll(t3d_request_t *req, uint64_t *since) {
 
 t3d_result_t t3d_wait(t3d_request_t *req, int64_t timeout_ms) {
   if (req == NULL) return T3D_ERR_INVALID_ARG;
+  if (atomic_load_explicit(&req->done, memory_order_acquire)) return req->result; /* e.g. finished inline */
   /* Spin a little, then yield (the progress threads may need this core), then sleep on the condition variable.
    * Point-to-point over shared memory keeps polling (t3d_request_poll) until done or timeout_ms. */
   uint64_t since = 0;
@@ -644,7 +645,7 @@ const char *t3d__op_name(t3d_op_kind_t k) {
 }
 
 static void init_exec(t3d_comm_t *comm, t3d_request_t *r, t3d_exec_t *ex) {
-  memset(ex, 0, sizeof *ex);
+  ex->error[0] = '\0'; /* not the whole 512 bytes: this runs for every collective */
   ex->comm = comm;
   ex->rank = comm->rank;
   ex->size = comm->size;
