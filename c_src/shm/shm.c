@@ -35,7 +35,8 @@ static uint32_t random_bits(void) {
 }
 
 static size_t data_end(int n, size_t half) {
-  return T3D_SHM_PAGE + round_up((size_t)n * T3D_SHM_CTRL_STRIDE, T3D_SHM_PAGE) + (size_t)n * 2 * half;
+  return T3D_SHM_PAGE + round_up((size_t)n * T3D_SHM_CTRL_STRIDE, T3D_SHM_PAGE) + (size_t)n * 2 * half +
+         (size_t)n * T3D_SHM_SMALL_SLOTS * T3D_SHM_SMALL_BYTES;
 }
 
 static size_t layout_bytes(int n, size_t half, size_t p2p_eager, unsigned p2p_slots) {
@@ -45,6 +46,7 @@ static size_t layout_bytes(int n, size_t half, size_t p2p_eager, unsigned p2p_sl
 static void layout(t3d_shm_t *s) {
   s->ctrl = s->base + T3D_SHM_PAGE;
   s->data = s->ctrl + round_up((size_t)s->size * T3D_SHM_CTRL_STRIDE, T3D_SHM_PAGE);
+  s->small = s->data + (size_t)s->size * 2 * s->half;
   s->p2p_region = s->base + data_end(s->size, s->half);
 }
 
@@ -358,6 +360,26 @@ void t3d__shm_step_begin(t3d_shm_t *s, int nphases, t3d_shm_step_t *st) {
   s->phase += (uint64_t)nphases;
   s->free_at[st->h] = s->phase;
   s->step++;
+}
+
+void t3d__shm_step_begin_small(t3d_shm_t *s, int nphases, t3d_shm_step_t *st) {
+  int j = (int)(s->small_steps++ % T3D_SHM_SMALL_SLOTS);
+  st->h = 2 + j;
+  st->base = s->phase;
+  st->first = 0;
+  st->need = s->free_small[j];
+  s->phase += (uint64_t)nphases;
+  s->free_small[j] = s->phase;
+}
+
+int t3d__shm_small_free(t3d_shm_t *s) {
+  uint64_t need = s->free_small[s->small_steps % T3D_SHM_SMALL_SLOTS];
+  if (s->seen_all >= need) return 1;
+  for (int p = 0; p < s->size; p++) {
+    if (p != s->rank && atomic_load_explicit(t3d__shm_flag(s, p), memory_order_acquire) < need) return 0;
+  }
+  s->seen_all = need;
+  return 1;
 }
 
 t3d_result_t t3d__shm_step_acquire(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step_t *st) {

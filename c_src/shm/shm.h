@@ -14,13 +14,17 @@
  *   header   one page: magic, rank count, bytes per half (rank 0 decides; the others adopt it)
  *   control  per rank T3D_SHM_CTRL_STRIDE bytes: its progress flag alone in the first 64 bytes and, in the next 64
  *            (the adjacent-line prefetcher fetches lines in pairs), the count of ranks asleep on that flag and the
- *            CPU the rank last ran t3d code on; then one 64-byte op-info line per half
+ *            CPU the rank last ran t3d code on; then one 64-byte op-info line per half and per small slot
  *   data     per rank two halves of `half` bytes; step t of the communicator uses half t & 1 of every rank
+ *   small    per rank T3D_SHM_SMALL_SLOTS slots of T3D_SHM_SMALL_BYTES: small broadcasts use them in turn instead of
+ *            the halves, so that a root may run that many broadcasts ahead of its slowest reader
  *   p2p      point-to-point (p2p.c): per rank T3D_SHM_P2P_RECORDS rendezvous records, then one ring of slots per
  *            ordered pair (sender, receiver)
  * A rank writes only its own flag, info lines and halves (and, in p2p, what p2p.c says). */
-#define T3D_SHM_MAGIC 0x3230304d48534433ull /* "3DSHM002" */
-#define T3D_SHM_CTRL_STRIDE 256
+#define T3D_SHM_MAGIC 0x3330304d48534433ull /* "3DSHM003" */
+#define T3D_SHM_SMALL_SLOTS 16
+#define T3D_SHM_SMALL_BYTES 16384
+#define T3D_SHM_CTRL_STRIDE (128 + 64 * (2 + T3D_SHM_SMALL_SLOTS))
 #define T3D_SHM_SLEEPERS_OFFSET 64
 #define T3D_SHM_CPU_OFFSET 96
 #define T3D_SHM_INFO_OFFSET 128
@@ -50,12 +54,14 @@ struct t3d_shm {
   char *base;
   size_t map_bytes;
   int rank, size;
-  char *ctrl, *data;
+  char *ctrl, *data, *small;
   size_t half; /* bytes of one half */
   /* Protocol state, identical on every rank because every rank runs the same operations in the same order. */
   uint64_t phase;      /* the last phase value handed out */
   uint64_t step;       /* steps begun (selects the half) */
   uint64_t free_at[2]; /* phase every rank must have reached before half h may be written again */
+  uint64_t small_steps;                     /* small steps begun (selects the slot) */
+  uint64_t free_small[T3D_SHM_SMALL_SLOTS]; /* the same for each small slot */
   uint64_t seen_all;   /* a phase every rank is known to have reached */
   /* Tuning, read once at init. */
   size_t oneshot_max; /* allreduce / reduce up to this many bytes: one-shot */
@@ -101,8 +107,10 @@ static inline void t3d__shm_note_cpu(t3d_shm_t *s) {
 static inline t3d_shm_info_t *t3d__shm_info(const t3d_shm_t *s, int p, int h) {
   return (t3d_shm_info_t *)(void *)(s->ctrl + (size_t)p * T3D_SHM_CTRL_STRIDE + T3D_SHM_INFO_OFFSET + 64 * h);
 }
+/* h 0 and 1: the halves; 2 + j: small slot j (t3d__shm_step_begin_small). */
 static inline char *t3d__shm_half(const t3d_shm_t *s, int p, int h) {
-  return s->data + ((size_t)p * 2 + (size_t)h) * s->half;
+  if (h < 2) return s->data + ((size_t)p * 2 + (size_t)h) * s->half;
+  return s->small + ((size_t)p * T3D_SHM_SMALL_SLOTS + (size_t)(h - 2)) * T3D_SHM_SMALL_BYTES;
 }
 
 /* ---------- protocol (shm.c) ----------
@@ -119,6 +127,10 @@ typedef struct t3d_shm_step {
 } t3d_shm_step_t;
 
 void t3d__shm_step_begin(t3d_shm_t *s, int nphases, t3d_shm_step_t *st);
+/* A step of at most T3D_SHM_SMALL_BYTES per rank in the next small slot; it leaves the halves' turn alone. */
+void t3d__shm_step_begin_small(t3d_shm_t *s, int nphases, t3d_shm_step_t *st);
+/* Whether the next small slot may be written now (every rank past its previous use). */
+int t3d__shm_small_free(t3d_shm_t *s);
 /* Waits until half st->h may be written (every rank past its previous use). */
 t3d_result_t t3d__shm_step_acquire(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step_t *st);
 void t3d__shm_wake(t3d_shm_t *s);

@@ -342,6 +342,13 @@ t3d_result_t t3d__shm_rs_finish(t3d_exec_t *ex, const t3d_shm_resume_t *rs, cons
 
 /* ---------- broadcast ---------- */
 
+/* A small broadcast takes one step in the next small slot (a root may then run T3D_SHM_SMALL_SLOTS broadcasts
+ * ahead of its slowest reader instead of two); a larger one steps through the halves. */
+static void bcast_step_begin(t3d_shm_t *s, size_t bytes, t3d_shm_step_t *st) {
+  if (bytes <= T3D_SHM_SMALL_BYTES) t3d__shm_step_begin_small(s, 2, st);
+  else t3d__shm_step_begin(s, 2, st);
+}
+
 t3d_result_t t3d__shm_broadcast(t3d_exec_t *ex, void *buf, size_t bytes, int root) {
   t3d_shm_t *s = t3d__exec_shm(ex);
   char *b = buf;
@@ -349,7 +356,7 @@ t3d_result_t t3d__shm_broadcast(t3d_exec_t *ex, void *buf, size_t bytes, int roo
   for (size_t lo = 0; lo < bytes; lo += s->half) {
     size_t len = min_sz(s->half, bytes - lo);
     t3d_shm_step_t st;
-    t3d__shm_step_begin(s, 2, &st);
+    bcast_step_begin(s, bytes, &st);
     if (s->rank == root) {
       T3D_CHECK(t3d__shm_step_acquire(s, ex, &st));
       if (lo == 0) t3d__shm_put_info(s, &st, T3D_OP_BROADCAST, bytes, 0);
@@ -367,13 +374,14 @@ t3d_result_t t3d__shm_broadcast(t3d_exec_t *ex, void *buf, size_t bytes, int roo
 /* A broadcast that fits one half, in parts: the root publishes and is done; the others wait for it, then copy out.
  * The same steps as t3d__shm_broadcast, so ranks that take either path agree. */
 int t3d__shm_bcast_fits(t3d_shm_t *s, size_t bytes, int root) {
-  return bytes > 0 && bytes <= s->half && (root != s->rank || next_half_free(s));
+  if (bytes == 0 || bytes > s->half) return 0;
+  return root != s->rank || (bytes <= T3D_SHM_SMALL_BYTES ? t3d__shm_small_free(s) : next_half_free(s));
 }
 
 t3d_result_t t3d__shm_bcast_start(t3d_exec_t *ex, const void *buf, size_t bytes, int root, t3d_shm_resume_t *rs) {
   t3d_shm_t *s = t3d__exec_shm(ex);
   t3d_shm_step_t st;
-  t3d__shm_step_begin(s, 2, &st);
+  bcast_step_begin(s, bytes, &st);
   rs->h = st.h;
   rs->base = st.base;
   if (s->rank != root) return T3D_OK;

@@ -257,6 +257,41 @@ TEST_P(Shm, Broadcast) {
   });
 }
 
+// The root issues 70 broadcasts without waiting while the other ranks start theirs 30 ms later: small ones run
+// ahead through the small slots (more of them than there are slots, so the root must wait for slots to free), with
+// a broadcast through the halves, an allreduce and a barrier in between every so often. Each buffer must end up
+// with its own broadcast's data.
+TEST_P(Shm, SmallBroadcastsRunAheadOfLateReaders) {
+  const int n = GetParam().n;
+  RunRanks(n, [&](int rank, t3d_comm_t *comm) {
+    const int kOps = 70;
+    std::vector<std::vector<uint32_t>> bufs(kOps);
+    std::vector<t3d_request_t *> reqs(kOps, nullptr);
+    std::vector<float> ar_in(5, 1.0f), ar_out(5, 0.0f);
+    if (rank != 0) std::this_thread::sleep_for(std::chrono::milliseconds(30));
+    for (int i = 0; i < kOps; ++i) {
+      const size_t count = i % 17 == 16 ? 40000 : static_cast<size_t>(1 + (i * 37) % 4000);  // 160 kB or <= 16 kB
+      bufs[i].assign(count, 0u);
+      if (rank == 0)
+        for (size_t k = 0; k < count; ++k) bufs[i][k] = static_cast<uint32_t>(i * 100003 + k);
+      t3d_result_t r = T3D_OK;
+      if (i % 23 == 22) r = t3d_allreduce(comm, ar_in.data(), ar_out.data(), 5, T3D_FLOAT32, T3D_SUM, nullptr, &reqs[i]);
+      else if (i % 29 == 28) r = t3d_barrier(comm, nullptr, &reqs[i]);
+      else r = t3d_broadcast(comm, bufs[i].data(), count, T3D_INT32, 0, nullptr, &reqs[i]);
+      ASSERT_EQ(r, T3D_OK) << Tag(rank, "issue " + std::to_string(i));
+    }
+    for (int i = 0; i < kOps; ++i) {
+      std::string err;
+      ASSERT_EQ(Complete(T3D_OK, reqs[i], &err), T3D_OK) << Tag(rank, "op " + std::to_string(i)) << ": " << err;
+      if (i % 23 == 22 || i % 29 == 28) continue;
+      for (size_t k = 0; k < bufs[i].size(); ++k) {
+        ASSERT_EQ(bufs[i][k], static_cast<uint32_t>(i * 100003 + k)) << Tag(rank, "broadcast " + std::to_string(i));
+      }
+    }
+    EXPECT_EQ(ar_out[0], static_cast<float>(n)) << Tag(rank, "allreduce between the broadcasts");
+  });
+}
+
 TEST_P(Shm, Allgatherv) {
   const int n = GetParam().n;
   RunRanks(n, [&](int rank, t3d_comm_t *comm) {
