@@ -53,6 +53,19 @@ static t3d_result_t read_peer(t3d_shm_t *s, t3d_exec_t *ex, int p, int pid, void
   return T3D_ERR_SYSTEM;
 }
 
+/* The end of a single-copy step on this rank, whose reads ended with res: posts `done` (also after a failed read:
+ * the owners then need not wait for their deadline), then waits until every rank has posted it, so that nobody
+ * reads this rank's buffer any more when the call returns, even a failed one. The first error wins. */
+static t3d_result_t direct_end(t3d_shm_t *s, t3d_exec_t *ex, uint64_t done, t3d_result_t res) {
+  t3d__shm_post(s, done);
+  if (res == T3D_OK) return t3d__shm_wait(s, ex, -1, done);
+  char first[sizeof ex->error];
+  memcpy(first, ex->error, sizeof first);
+  (void)t3d__shm_wait(s, ex, -1, done);
+  memcpy(ex->error, first, sizeof first);
+  return res;
+}
+
 /* ---------- allreduce and reduce ---------- */
 
 /* Every rank's whole vector goes into its half; the reducing ranks fold all halves in rank order, so every rank
@@ -480,7 +493,9 @@ static gather_ctx_t gather_ctx(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step_
 static t3d_result_t gather_direct(t3d_shm_t *s, t3d_exec_t *ex, const void *sendbuf, void *recvbuf,
                                   const size_t *bytes, const size_t *displs_bytes, size_t total) {
   size_t mine = bytes[s->rank], extent = 0;
-  for (int p = 0; p < s->size; p++) extent = displs_bytes[p] + bytes[p] > extent ? displs_bytes[p] + bytes[p] : extent;
+  for (int p = 0; p < s->size; p++) {
+    if (displs_bytes[p] + bytes[p] > extent) extent = displs_bytes[p] + bytes[p];
+  }
   int apart = sendbuf != NULL && sendbuf != recvbuf && !t3d__overlap(sendbuf, mine, recvbuf, extent);
   const char *src = apart ? sendbuf : gather_own(s, sendbuf, recvbuf, mine, displs_bytes[s->rank]);
   t3d_shm_step_t st;
@@ -493,11 +508,7 @@ static t3d_result_t gather_direct(t3d_shm_t *s, t3d_exec_t *ex, const void *send
   gather_ctx_t c = gather_ctx(s, ex, &st, recvbuf, bytes, displs_bytes, 1, 0, total);
   c.direct = 1;
   T3D_CHECK(t3d__shm_wait_each(s, ex, st.base + 1, gather_from, &c));
-  /* Done reading (also after a failed read: the owners then need not wait for the deadline); then wait until
-   * nobody reads this rank's block any more. */
-  t3d__shm_post(s, st.base + 2);
-  T3D_CHECK(c.res);
-  return t3d__shm_wait(s, ex, -1, st.base + 2);
+  return direct_end(s, ex, st.base + 2, c.res);
 }
 
 t3d_result_t t3d__shm_allgatherv(t3d_exec_t *ex, const void *sendbuf, void *recvbuf, const size_t *bytes,
@@ -649,7 +660,8 @@ static a2a_ctx_t a2a_ctx(t3d_shm_t *s, t3d_exec_t *ex, void *recvbuf, const size
   size_t total = 0;
   for (int q = 0; q < s->size; q++) total += (scounts[q] + rcounts[q]) * es;
   /* gmax starts at this rank's own largest block: the peers' step-0 infos only tell theirs. */
-  a2a_ctx_t c = {s, ex, NULL, recvbuf, rcounts, rdispls, es, 0, a2a_piece(s), a2a_local_max(s->size, s->rank, scounts, es),
+  size_t gmax = a2a_local_max(s->size, s->rank, scounts, es);
+  a2a_ctx_t c = {s, ex, NULL, recvbuf, rcounts, rdispls, es, 0, a2a_piece(s), gmax,
                  s->nt && total / 2 * (size_t)s->size >= s->nt_min, T3D_OK};
   return c;
 }
@@ -664,9 +676,8 @@ static t3d_result_t a2a_check_self(t3d_exec_t *ex, const size_t *scounts, const 
 }
 
 /* Single copy of what step 0 left: every block's bytes from lo on, read from its owner at the address its table
- * gave; then posts the end of reading as a phase of its own (no step: the halves are not used) and sets *done to
- * it, for the caller to wait on once it has moved its own block. */
-static t3d_result_t a2a_direct_rest(a2a_ctx_t *c, size_t lo, uint64_t *done) {
+ * gave. The end of reading is a phase of its own (no step: the halves are not used). */
+static t3d_result_t a2a_direct_rest(a2a_ctx_t *c, size_t lo) {
   t3d_shm_t *s = c->s;
   t3d_result_t res = T3D_OK;
   for (int i = 1; i < s->size && res == T3D_OK; i++) {
@@ -675,9 +686,7 @@ static t3d_result_t a2a_direct_rest(a2a_ctx_t *c, size_t lo, uint64_t *done) {
     if (blk > lo) res = read_peer(s, c->ex, p, s->rpid[p], c->rb + c->rdispls[p] * c->es + lo, s->raddr[p] + lo,
                                   blk - lo);
   }
-  *done = ++s->phase;
-  t3d__shm_post(s, *done); /* also after a failed read: the owners then need not wait for the deadline */
-  return res;
+  return direct_end(s, c->ex, ++s->phase, res);
 }
 
 /* Steps from `from` on (step 0 is published and collected by the caller when from > 0), then this rank's own
@@ -687,10 +696,9 @@ static t3d_result_t a2a_steps(a2a_ctx_t *c, size_t from, const char *sb, size_t 
   t3d_shm_t *s = c->s;
   int me = s->rank;
   size_t es = c->es, local_max = a2a_local_max(s->size, me, scounts, es);
-  uint64_t done = 0;
   for (size_t lo = from; lo == 0 || lo < c->gmax; lo += c->piece) {
     if (lo > 0 && use_direct(s, c->gmax)) {
-      T3D_CHECK(a2a_direct_rest(c, lo, &done));
+      T3D_CHECK(a2a_direct_rest(c, lo));
       break;
     }
     t3d_shm_step_t st;
@@ -703,8 +711,7 @@ static t3d_result_t a2a_steps(a2a_ctx_t *c, size_t from, const char *sb, size_t 
   char *own_dst = c->rb + c->rdispls[me] * es;
   const char *own_src = sb + (sdispls[me] * es - sbias);
   if (scounts[me] > 0 && own_dst != own_src) memmove(own_dst, own_src, scounts[me] * es);
-  /* Single copy: nobody may read this rank's send blocks any more once this returns. */
-  return done != 0 ? t3d__shm_wait(s, c->ex, -1, done) : T3D_OK;
+  return T3D_OK;
 }
 
 /* Single copy of equal blocks (t3d_alltoall): every rank knows every block's size up front, so the whole exchange
@@ -724,8 +731,8 @@ static void a2a_equal_from(void *arg, int p) {
   if (c->res == T3D_OK) c->res = t3d__shm_check_info(c->s, c->ex, c->st, p, T3D_OP_ALLTOALLV, c->blk);
   if (c->res != T3D_OK) return;
   const t3d_shm_info_t *in = t3d__shm_info(c->s, p, c->st->h);
-  c->res = read_peer(c->s, c->ex, p, (int)in->pid, c->rb + (size_t)p * c->blk, in->addr + (uint64_t)c->s->rank * c->blk,
-                     c->blk);
+  uint64_t at = in->addr + (uint64_t)c->s->rank * c->blk;
+  c->res = read_peer(c->s, c->ex, p, (int)in->pid, c->rb + (size_t)p * c->blk, at, c->blk);
 }
 
 static t3d_result_t a2a_equal_direct(t3d_shm_t *s, t3d_exec_t *ex, const char *block0, char *rb, size_t blk) {
@@ -737,11 +744,9 @@ static t3d_result_t a2a_equal_direct(t3d_shm_t *s, t3d_exec_t *ex, const char *b
   t3d__shm_post(s, st.base + 1);
   a2a_equal_t c = {s, ex, &st, rb, blk, T3D_OK};
   T3D_CHECK(t3d__shm_wait_each(s, ex, st.base + 1, a2a_equal_from, &c));
-  t3d__shm_post(s, st.base + 2); /* also after a failed read: the owners then need not wait for the deadline */
-  T3D_CHECK(c.res);
   size_t own = (size_t)s->rank * blk;
-  if (rb + own != block0 + own) memmove(rb + own, block0 + own, blk);
-  return t3d__shm_wait(s, ex, -1, st.base + 2);
+  if (c.res == T3D_OK && rb + own != block0 + own) memmove(rb + own, block0 + own, blk);
+  return direct_end(s, ex, st.base + 2, c.res);
 }
 
 t3d_result_t t3d__shm_alltoallv(t3d_exec_t *ex, const void *sendbuf, const size_t *scounts, const size_t *sdispls,
@@ -769,7 +774,8 @@ t3d_result_t t3d__shm_alltoallv(t3d_exec_t *ex, const void *sendbuf, const size_
 /* In parts: step 0 published by start, collected (and any further steps run) by finish. The caller made sure that
  * the receive blocks do not overlap the send blocks, so no copy of the input is needed. */
 int t3d__shm_a2a_fits(t3d_shm_t *s, size_t max_send_block_bytes, int equal) {
-  return max_send_block_bytes <= a2a_piece(s) && !(equal && use_direct(s, max_send_block_bytes)) && next_half_free(s);
+  if (max_send_block_bytes > a2a_piece(s) || (equal && use_direct(s, max_send_block_bytes))) return 0;
+  return next_half_free(s);
 }
 
 t3d_result_t t3d__shm_a2a_start(t3d_exec_t *ex, const void *sendbuf, const size_t *scounts, const size_t *sdispls,

@@ -275,9 +275,12 @@ TEST_P(Shm, SmallBroadcastsRunAheadOfLateReaders) {
       if (rank == 0)
         for (size_t k = 0; k < count; ++k) bufs[i][k] = static_cast<uint32_t>(i * 100003 + k);
       t3d_result_t r = T3D_OK;
-      if (i % 23 == 22) r = t3d_allreduce(comm, ar_in.data(), ar_out.data(), 5, T3D_FLOAT32, T3D_SUM, nullptr, &reqs[i]);
-      else if (i % 29 == 28) r = t3d_barrier(comm, nullptr, &reqs[i]);
-      else r = t3d_broadcast(comm, bufs[i].data(), count, T3D_INT32, 0, nullptr, &reqs[i]);
+      if (i % 23 == 22)
+        r = t3d_allreduce(comm, ar_in.data(), ar_out.data(), 5, T3D_FLOAT32, T3D_SUM, nullptr, &reqs[i]);
+      else if (i % 29 == 28)
+        r = t3d_barrier(comm, nullptr, &reqs[i]);
+      else
+        r = t3d_broadcast(comm, bufs[i].data(), count, T3D_INT32, 0, nullptr, &reqs[i]);
       ASSERT_EQ(r, T3D_OK) << Tag(rank, "issue " + std::to_string(i));
     }
     for (int i = 0; i < kOps; ++i) {
