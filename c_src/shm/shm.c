@@ -352,28 +352,27 @@ void t3d__shm_fini(t3d_shm_t *s) {
 
 /* ---------- protocol ---------- */
 
-void t3d__shm_step_begin(t3d_shm_t *s, int nphases, t3d_shm_step_t *st) {
-  st->h = (int)(s->step & 1);
+/* A step in region h (a half or a small slot), whose last use ends at *free_at. */
+static void step_begin(t3d_shm_t *s, int nphases, int h, uint64_t *free_at, t3d_shm_step_t *st) {
+  st->h = h;
   st->base = s->phase;
   st->first = 0;
-  st->need = s->free_at[st->h];
+  st->need = *free_at;
   s->phase += (uint64_t)nphases;
-  s->free_at[st->h] = s->phase;
-  s->step++;
+  *free_at = s->phase;
+}
+
+void t3d__shm_step_begin(t3d_shm_t *s, int nphases, t3d_shm_step_t *st) {
+  int h = (int)(s->step++ & 1);
+  step_begin(s, nphases, h, &s->free_at[h], st);
 }
 
 void t3d__shm_step_begin_small(t3d_shm_t *s, int nphases, t3d_shm_step_t *st) {
   int j = (int)(s->small_steps++ % T3D_SHM_SMALL_SLOTS);
-  st->h = 2 + j;
-  st->base = s->phase;
-  st->first = 0;
-  st->need = s->free_small[j];
-  s->phase += (uint64_t)nphases;
-  s->free_small[j] = s->phase;
+  step_begin(s, nphases, 2 + j, &s->free_small[j], st);
 }
 
-int t3d__shm_small_free(t3d_shm_t *s) {
-  uint64_t need = s->free_small[s->small_steps % T3D_SHM_SMALL_SLOTS];
+int t3d__shm_all_past(t3d_shm_t *s, uint64_t need) {
   if (s->seen_all >= need) return 1;
   for (int p = 0; p < s->size; p++) {
     if (p != s->rank && atomic_load_explicit(t3d__shm_flag(s, p), memory_order_acquire) < need) return 0;

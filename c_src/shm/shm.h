@@ -129,8 +129,8 @@ typedef struct t3d_shm_step {
 void t3d__shm_step_begin(t3d_shm_t *s, int nphases, t3d_shm_step_t *st);
 /* A step of at most T3D_SHM_SMALL_BYTES per rank in the next small slot; it leaves the halves' turn alone. */
 void t3d__shm_step_begin_small(t3d_shm_t *s, int nphases, t3d_shm_step_t *st);
-/* Whether the next small slot may be written now (every rank past its previous use). */
-int t3d__shm_small_free(t3d_shm_t *s);
+/* Whether every other rank has reached phase `need` by now (no waiting). */
+int t3d__shm_all_past(t3d_shm_t *s, uint64_t need);
 /* Waits until half st->h may be written (every rank past its previous use). */
 t3d_result_t t3d__shm_step_acquire(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step_t *st);
 void t3d__shm_wake(t3d_shm_t *s);

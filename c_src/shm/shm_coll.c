@@ -109,14 +109,11 @@ static t3d_result_t reduce_oneshot(t3d_shm_t *s, t3d_exec_t *ex, const void *sen
 
 /* Whether the half the next step uses is free now (every rank past its previous use): the inline starts never wait
  * for it. */
-static int next_half_free(t3d_shm_t *s) {
-  uint64_t need = s->free_at[s->step & 1];
-  if (s->seen_all >= need) return 1;
-  for (int p = 0; p < s->size; p++) {
-    if (p != s->rank && atomic_load_explicit(t3d__shm_flag(s, p), memory_order_acquire) < need) return 0;
-  }
-  s->seen_all = need;
-  return 1;
+static int next_half_free(t3d_shm_t *s) { return t3d__shm_all_past(s, s->free_at[s->step & 1]); }
+
+/* The same for the next small slot. */
+static int next_small_free(t3d_shm_t *s) {
+  return t3d__shm_all_past(s, s->free_small[s->small_steps % T3D_SHM_SMALL_SLOTS]);
 }
 
 int t3d__shm_oneshot_fits(t3d_shm_t *s, size_t bytes) { return bytes <= s->oneshot_max && next_half_free(s); }
@@ -388,7 +385,7 @@ t3d_result_t t3d__shm_broadcast(t3d_exec_t *ex, void *buf, size_t bytes, int roo
  * The same steps as t3d__shm_broadcast, so ranks that take either path agree. */
 int t3d__shm_bcast_fits(t3d_shm_t *s, size_t bytes, int root) {
   if (bytes == 0 || bytes > s->half) return 0;
-  return root != s->rank || (bytes <= T3D_SHM_SMALL_BYTES ? t3d__shm_small_free(s) : next_half_free(s));
+  return root != s->rank || (bytes <= T3D_SHM_SMALL_BYTES ? next_small_free(s) : next_half_free(s));
 }
 
 t3d_result_t t3d__shm_bcast_start(t3d_exec_t *ex, const void *buf, size_t bytes, int root, t3d_shm_resume_t *rs) {

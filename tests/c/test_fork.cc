@@ -184,8 +184,8 @@ struct ChildArgs {
   }
   // Collectives whose blocks are large enough to be read straight from the owner's process (single copy): an
   // allgather, an alltoallv where only rank 0 sends large blocks, an alltoall; then a broadcast from rank 1 (through
-  // the segment). New data every iteration,
-  // so a reader that copied before the owner filled its buffer, or after it moved on, sees the wrong values.
+  // the segment). New data every iteration, so a reader that copied before the owner filled its buffer, or after it
+  // moved on, sees the wrong values.
   const size_t big = 100000;  // floats: 400 kB blocks
   for (int it = 0; it < 4; ++it) {
     auto value = [&](int from, int to, size_t i) {
