@@ -162,7 +162,7 @@ static t3d_result_t p2p_new(t3d_comm_t *comm, t3d_shm_t *s, char *region, size_t
   p->comm = comm;
   p->rank = s->rank;
   p->size = n;
-  p->pid = (int)getpid();
+  p->pid = s->pid; /* the segment state already knows this process */
   p->region = region;
   p->eager = eager;
   p->slots = slots;
