@@ -76,3 +76,60 @@ def test_timed_call_only_communicates_and_the_check_catches_a_broken_op(op, rank
     assert peers.calls == calls + 1, "the timed callable is one call of the op, nothing else"
     _, broken_check, _ = bc._make_op(op, 64, rank, 2, _Peers(broken=True), torch)
     assert not broken_check(), f"a {op} that does nothing must fail the check"
+
+
+def _row(op, nbytes, us, **extra):
+    return dict(op=op, bytes=nbytes, time_us=us, wrong=0, **extra)
+
+
+def _verdicts(lines):
+    """{target: (verdict, detail)} from the markdown rows targets() returns."""
+    cells = [ln.strip("|").split(" | ") for ln in lines if ln.startswith("| ") and not ln.startswith("| target")]
+    return {c[0].strip(): (c[1].strip(), c[2].strip()) for c in cells}
+
+
+def test_targets_are_judged_from_the_rows_of_the_run():
+    B = 10e9
+    mib64 = 64 << 20
+    # 2 ranks: time of a 64 MiB all_reduce at exactly 80% of its bound, then 60%.
+    def at(pct):
+        return mib64 * bc.bus_factor("all_reduce", 2) / (bc.bound("all_reduce", 2, B) * pct / 100) * 1e6
+
+    res = {"t3d": [_row("all_reduce", mib64, at(80)), _row("all_reduce", 8, 7.0, floor_us=5.5)],
+           "mpi": [_row("all_reduce", mib64, at(80) * 1.3), _row("all_reduce", 8, 9.0)]}
+    v = _verdicts(bc.targets(res, 2, B, cores=2))
+    assert v["all_reduce 64 MiB >= 70% of bound"] == ("met", "80%")
+    assert v["all_reduce 64 MiB >= 1.2x the best peer"][0] == "met"
+    assert v["all_reduce 8 B-4 KiB: t3d - torch's dispatch floor <= 5 us"][0] == "met"
+    assert v["all_reduce 8 B-4 KiB faster than every peer"][0] == "met"
+    res["t3d"][0]["time_us"] = at(60)
+    res["t3d"][1]["floor_us"] = 1.0
+    res["mpi"][1]["time_us"] = 1.5
+    v = _verdicts(bc.targets(res, 2, B, cores=2))
+    assert v["all_reduce 64 MiB >= 70% of bound"] == ("not met", "60%")
+    assert v["all_reduce 64 MiB >= 1.2x the best peer"][0] == "not met"
+    assert v["all_reduce 8 B-4 KiB: t3d - torch's dispatch floor <= 5 us"][0] == "not met"
+    assert v["all_reduce 8 B-4 KiB faster than every peer"][0] == "not met"
+    assert "8 ranks" not in " ".join(v), "the oversubscribed targets are not judged on 2 ranks of 2 cores"
+
+
+def test_oversubscribed_targets_compare_with_gloo_and_with_the_two_rank_run():
+    mib = 1 << 20
+    res = {"t3d": [_row("all_reduce", mib, 100.0), _row("all_to_all", mib, 100.0), _row("all_reduce", 8, 50.0)],
+           "gloo": [_row("all_reduce", mib, 600.0), _row("all_to_all", mib, 400.0), _row("all_reduce", 8, 900.0)],
+           "mpi": [_row("all_reduce", mib, 200.0), _row("all_to_all", mib, 50.0), _row("all_reduce", 8, 30.0)]}
+    two = {"t3d": [_row("all_reduce", 8, 4.0)], "mpi": [_row("all_reduce", 8, 2.0)]}
+    v = _verdicts(bc.targets(res, 8, 10e9, cores=2, two_rank=two))
+    verdict, detail = v["8 ranks on 2 cores: every op >= 5x gloo from 1 MiB"]
+    assert verdict == "not met" and "all_to_all 1 MiB 4.00x" in detail and "all_reduce" not in detail
+    verdict, detail = v["(yardstick) mpi on the same rows >= 5x gloo"]
+    assert verdict == "not met" and "all_reduce 1 MiB 3.00x" in detail and "all_to_all" not in detail
+    assert v["8 ranks: small sizes <= 10x the 2-rank time"] == ("not met", "1 of 1 rows miss: all_reduce 8 B 12.5x")
+    assert v["(yardstick) mpi: 8 ranks: small sizes <= 10x the 2-rank time"][0] == "not met"
+    res["t3d"][1]["time_us"] = 80.0
+    res["t3d"][2]["time_us"] = 40.0
+    v = _verdicts(bc.targets(res, 8, 10e9, cores=2, two_rank=two))
+    assert v["8 ranks on 2 cores: every op >= 5x gloo from 1 MiB"][0] == "met"
+    assert v["8 ranks: small sizes <= 10x the 2-rank time"][0] == "met"
+    assert _verdicts(bc.targets(res, 8, 10e9, cores=2))["8 ranks: small sizes <= 10x the 2-rank time"][0] == \
+        "not measured"

@@ -6,7 +6,10 @@ the machine's memory-copy bandwidth and prints, for all_reduce, the bound busbw 
 B = read+write copy bandwidth (docs/benchmarks/README.md derives it), and torch's dispatch floor: the same all_reduce
 loop on a "fake" process group, which does no communication, timed in the same processes between t3d's batches.
 
+The markdown ends with issue #5's targets, judged from the run's own rows (docs/benchmarks/README.md).
+
     t3d-bench collectives --nproc 2 [--backends t3d,gloo,mpi] [--ops all_reduce,...] [--min 8] [--max 256M]
+    t3d-bench collectives --render docs/benchmarks/collectives-8ranks.json   (re-render a saved run)
 """
 
 from __future__ import annotations
@@ -382,7 +385,7 @@ def allreduce_bound(n: int, B: float) -> float:
     return bound("all_reduce", n, B)
 
 
-def render(results: dict, n: int, B: float, skipped: dict) -> str:
+def render(results: dict, n: int, B: float, skipped: dict, two_rank: dict | None = None) -> str:
     lines = [f"# t3d-bench collectives: {n} ranks",
              "",
              f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
@@ -436,7 +439,122 @@ def render(results: dict, n: int, B: float, skipped: dict) -> str:
             cells.append("ok" if wrong == 0 else "WRONG")
             lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "t3d/X is X's time over t3d's: above 1 means t3d is faster."]
+    if "t3d" in backends:
+        lines += targets(results, n, B, os.cpu_count() or 1, two_rank)
     return "\n".join(lines) + "\n"
+
+
+SMALL_MAX = 4 << 10  # the issue's "small": 8 B to 4 KiB
+LARGE_MIN = 1 << 20  # its "1 MiB and above"
+
+
+def _rows(results: dict, backend: str, op: str) -> dict:
+    return {r["bytes"]: r for r in results.get(backend, []) if r["op"] == op}
+
+
+def _pct_of_bound(op: str, n: int, B: float, r: dict) -> float:
+    return 100 * r["bytes"] / (r["time_us"] * 1e-6) * bus_factor(op, n) / bound(op, n, B)
+
+
+def _verdict(bad: list[str], checked: int, what: str) -> tuple[str, str]:
+    if checked == 0:
+        return "not measured", "no such rows in this run"
+    return ("met", what) if not bad else ("not met", f"{len(bad)} of {checked} rows miss: " + "; ".join(bad))
+
+
+def targets(results: dict, n: int, B: float, cores: int, two_rank: dict | None = None) -> list[str]:
+    """Issue #5's targets, judged on this run's rows only (a target whose rows were not run says so). two_rank: the
+    results of a 2-rank run, for "small sizes no worse than 10x the 2-rank latency". Where a peer's own rows bear
+    on a target (its ratio to gloo), they are shown beside t3d's, as the yardstick of what this machine allows."""
+    rows = []
+
+    def add(target, verdict_detail):
+        rows.append(f"| {target} | {verdict_detail[0]} | {verdict_detail[1]} |")
+
+    peers = [b for b in results if not b.startswith("_") and b != "t3d"]
+    if n == 2:
+        t3d_ar = _rows(results, "t3d", "all_reduce")
+        big = t3d_ar.get(64 << 20)
+        if big is None:
+            add("all_reduce 64 MiB >= 70% of bound", ("not measured", "run up to --max 64M"))
+            add("all_reduce 64 MiB >= 1.2x the best peer", ("not measured", "run up to --max 64M"))
+        else:
+            pct = _pct_of_bound("all_reduce", n, B, big)
+            add("all_reduce 64 MiB >= 70% of bound", ("met" if pct >= 70 else "not met", f"{pct:.0f}%"))
+            times = {b: _rows(results, b, "all_reduce").get(64 << 20) for b in peers}
+            times = {b: r["time_us"] / big["time_us"] for b, r in times.items() if r is not None}
+            if not times:
+                add("all_reduce 64 MiB >= 1.2x the best peer", ("not measured", "no peer ran"))
+            else:
+                best = min(times, key=times.get)
+                add("all_reduce 64 MiB >= 1.2x the best peer",
+                    ("met" if times[best] >= 1.2 else "not met", f"best peer {best}: {times[best]:.2f}x"))
+        small = {s: r for s, r in t3d_ar.items() if s <= SMALL_MAX}
+        added = {s: r["time_us"] - r["floor_us"] for s, r in sorted(small.items()) if "floor_us" in r}
+        bad = [f"{human(s)} {a:.1f} us" for s, a in added.items() if a > 5]
+        add("all_reduce 8 B-4 KiB: t3d - torch's dispatch floor <= 5 us",
+            _verdict(bad, len(added), f"{len(added)} rows, at most {max(added.values(), default=0):.1f} us"))
+        bad, checked = [], 0
+        for b in peers:
+            theirs = _rows(results, b, "all_reduce")
+            for s, r in sorted(small.items()):
+                if s in theirs:
+                    checked += 1
+                    if theirs[s]["time_us"] <= r["time_us"]:
+                        bad.append(f"{b} {human(s)} {theirs[s]['time_us']:.1f} us vs {r['time_us']:.1f} us")
+        floors = [r["floor_us"] for r in small.values() if "floor_us" in r]
+        verdict = _verdict(bad, checked, f"{checked} rows")
+        if bad and floors:  # a peer that is not called through torch.distributed skips the floor altogether
+            floor = f"{min(floors):.1f}-{max(floors):.1f} us"
+            verdict = (verdict[0], f"{verdict[1]} (torch's dispatch floor alone: {floor})")
+        add("all_reduce 8 B-4 KiB faster than every peer", verdict)
+    if n > cores:
+        bad, checked, peer_bad, peer_checked = [], 0, {}, {}
+        gloo = {op: _rows(results, "gloo", op) for op in OPS}
+        for op in OPS:
+            for s, r in sorted(_rows(results, "t3d", op).items()):
+                g = gloo[op].get(s)
+                if s < LARGE_MIN or g is None:
+                    continue
+                checked += 1
+                if g["time_us"] < 5 * r["time_us"]:
+                    bad.append(f"{op} {human(s)} {g['time_us'] / r['time_us']:.2f}x")
+                for b in peers:
+                    o = _rows(results, b, op).get(s)
+                    if b != "gloo" and o is not None:
+                        peer_checked[b] = peer_checked.get(b, 0) + 1
+                        if g["time_us"] < 5 * o["time_us"]:
+                            miss = f"{op} {human(s)} {g['time_us'] / o['time_us']:.2f}x"
+                            peer_bad.setdefault(b, []).append(miss)
+        add(f"{n} ranks on {cores} cores: every op >= 5x gloo from 1 MiB", _verdict(bad, checked, f"{checked} rows"))
+        for b, cnt in peer_checked.items():
+            add(f"(yardstick) {b} on the same rows >= 5x gloo", _verdict(peer_bad.get(b, []), cnt, f"{cnt} rows"))
+        if two_rank is None:
+            add(f"{n} ranks: small sizes <= 10x the 2-rank time", ("not measured", "no 2-rank run beside this one"))
+        else:
+            for b in ["t3d"] + [p for p in peers if p != "gloo"]:
+                bad, checked = [], 0
+                for op in OPS:
+                    theirs = _rows(two_rank, b, op)
+                    for s, r in sorted(_rows(results, b, op).items()):
+                        if s <= SMALL_MAX and s in theirs:
+                            checked += 1
+                            if r["time_us"] > 10 * theirs[s]["time_us"]:
+                                bad.append(f"{op} {human(s)} {r['time_us'] / theirs[s]['time_us']:.1f}x")
+                name = f"{n} ranks: small sizes <= 10x the 2-rank time"
+                add(name if b == "t3d" else f"(yardstick) {b}: {name}", _verdict(bad, checked, f"{checked} rows"))
+    bad, checked = [], 0
+    for op in ("all_gather", "reduce_scatter", "all_to_all", "broadcast"):
+        for s, r in sorted(_rows(results, "t3d", op).items()):
+            if s >= LARGE_MIN:
+                checked += 1
+                if _pct_of_bound(op, n, B, r) < 70:
+                    bad.append(f"{op} {human(s)} {_pct_of_bound(op, n, B, r):.0f}%")
+    add("all_gather, reduce_scatter, all_to_all, broadcast >= 70% of their bounds from 1 MiB",
+        _verdict(bad, checked, f"{checked} rows"))
+    return ["", "## Issue #5's targets in this run", "",
+            "Judged from the rows above (C-level targets: `t3d_bench_c`). 'yardstick' rows apply a target to a peer.",
+            "", "| target | verdict | detail |", "|---|---|---|"] + rows
 
 
 def plot(results: dict, n: int, path: str) -> None:
@@ -477,9 +595,36 @@ def add_parser(sub) -> None:
     p.add_argument("--out", default=None, help="directory for JSON/markdown/PNG (default docs/benchmarks)")
     p.add_argument("--tag", default=None, help="file name stem (default collectives-<n>ranks)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per backend")
+    p.add_argument("--render", default=None, metavar="JSON",
+                   help="run nothing: rewrite the markdown (and PNG) of a saved run's JSON beside it")
+
+
+def _two_rank_beside(directory: str, n: int) -> dict | None:
+    """The results of the 2-rank run saved in the same directory, for the 10x-the-2-rank-time target."""
+    path = os.path.join(directory, "collectives-2ranks.json")
+    if n <= 2 or not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)["results"]
+
+
+def _rerender(path: str) -> int:
+    with open(path) as f:
+        data = json.load(f)
+    n, stem = data["nproc"], os.path.splitext(path)[0]
+    md = render(data["results"], n, data["copy_bandwidth"], data["skipped"],
+                _two_rank_beside(os.path.dirname(os.path.abspath(path)), n))
+    with open(stem + ".md", "w") as f:
+        f.write(md)
+    plot(data["results"], n, stem + ".png")
+    print(md)
+    print(f"rewrote {stem}.md, .png from {path}")
+    return 0
 
 
 def run(args) -> int:
+    if args.render:
+        return _rerender(args.render)
     n = args.nproc
     ops = [o for o in args.ops.split(",") if o]
     bad = [o for o in ops if o not in OPS]
@@ -512,10 +657,10 @@ def run(args) -> int:
             continue
         results[b] = rows
         print(f"{b}: {len(rows)} rows in {time.time() - t0:.0f} s", flush=True)
-    md = render(results, n, B, skipped)
-    print(md)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     out = args.out or os.path.join(root, "docs", "benchmarks")
+    md = render(results, n, B, skipped, _two_rank_beside(out, n))
+    print(md)
     os.makedirs(out, exist_ok=True)
     stem = os.path.join(out, args.tag or f"collectives-{n}ranks")
     with open(stem + ".json", "w") as f:
