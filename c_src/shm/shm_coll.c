@@ -70,15 +70,29 @@ static t3d_result_t direct_end(t3d_shm_t *s, t3d_exec_t *ex, uint64_t done, t3d_
 
 /* Every rank's whole vector goes into its half; the reducing ranks fold all halves in rank order, so every rank
  * computes the same bits. root < 0: allreduce. Two parts, so that an inline allreduce can publish on the caller's
- * thread and leave the fold to the progress thread when peers are late (t3d__shm_oneshot_*). */
+ * thread and leave the fold to the progress thread when peers are late (t3d__shm_oneshot_*).
+ * A vector of at most T3D_SHM_INLINE_DATA bytes travels in the info line itself, after kind and size: a reader
+ * then pulls one cache line from each peer besides its flag, not two. */
+static const void *oneshot_src(const t3d_shm_t *s, int p, int h, size_t bytes) {
+  if (bytes <= T3D_SHM_INLINE_DATA) return t3d__shm_inline_data(s, p, h);
+  return t3d__shm_half(s, p, h);
+}
+
 static t3d_result_t oneshot_publish(t3d_shm_t *s, t3d_exec_t *ex, const void *sendbuf, size_t bytes, int root,
                                     int kind, t3d_shm_step_t *st) {
   t3d__shm_step_begin(s, 2, st);
   /* The root of a reduce reads its own input in place; everybody else publishes it. */
   if (root != s->rank) {
     T3D_CHECK(t3d__shm_step_acquire(s, ex, st));
-    t3d__shm_put_info(s, st, kind, bytes, 0);
-    memcpy(t3d__shm_half(s, s->rank, st->h), sendbuf, bytes);
+    if (bytes <= T3D_SHM_INLINE_DATA) {
+      t3d_shm_info_t *in = t3d__shm_info(s, s->rank, st->h);
+      in->kind = (uint64_t)kind;
+      in->sig = bytes;
+      memcpy(t3d__shm_inline_data(s, s->rank, st->h), sendbuf, bytes);
+    } else {
+      t3d__shm_put_info(s, st, kind, bytes, 0);
+      memcpy(t3d__shm_half(s, s->rank, st->h), sendbuf, bytes);
+    }
   }
   /* A non-root of a reduce has nothing to read: it is done with the step. */
   t3d__shm_post(s, root >= 0 && root != s->rank ? st->base + 2 : st->base + 1);
@@ -92,7 +106,7 @@ static t3d_result_t oneshot_fold(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_ste
   T3D_CHECK(t3d__shm_wait(s, ex, -1, st->base + 1));
   for (int p = 0; p < n; p++) {
     if (p != me) T3D_CHECK(t3d__shm_check_info(s, ex, st, p, kind, bytes));
-    s->srcs[p] = p == me ? sendbuf : t3d__shm_half(s, p, st->h);
+    s->srcs[p] = p == me ? sendbuf : oneshot_src(s, p, st->h, bytes);
   }
   t3d__shm_reduce_n(recvbuf, NULL, s->srcs, n, count, dt, op, 0);
   t3d__shm_post(s, st->base + 2);
