@@ -448,15 +448,23 @@ static t3d_result_t fail_wait(t3d_shm_t *s, t3d_exec_t *ex, int lo, int hi, uint
   return t3d__exec_check(ex, names);
 }
 
+/* Whether rank p has reached target: its flag, or (h >= 0) the seq of its info line for h. */
+static int arrived(t3d_shm_t *s, int p, uint64_t target, int h) {
+  if (h >= 0 && atomic_load_explicit(&t3d__shm_info(s, p, h)->seq, memory_order_acquire) == target) return 1;
+  return atomic_load_explicit(t3d__shm_flag(s, p), memory_order_acquire) >= target;
+}
+
 t3d_result_t t3d__shm_wait_until(t3d_shm_t *s, t3d_exec_t *ex, int who, uint64_t target, uint64_t until) {
+  return t3d__shm_wait_line(s, ex, who, target, until, -1);
+}
+
+t3d_result_t t3d__shm_wait_line(t3d_shm_t *s, t3d_exec_t *ex, int who, uint64_t target, uint64_t until, int h) {
   int lo = who < 0 ? 0 : who, hi = who < 0 ? s->size : who + 1;
   int next = lo; /* flags only grow: a rank seen at target stays there */
   t3d_backoff_t b = {0};
   for (unsigned it = 1;; it++) {
     int before = next;
-    while (next < hi &&
-           (next == s->rank || atomic_load_explicit(t3d__shm_flag(s, next), memory_order_acquire) >= target))
-      next++;
+    while (next < hi && (next == s->rank || arrived(s, next, target, h))) next++;
     if (next == hi) break;
     if (next != before) t3d__backoff_reset(&b);
     if ((it & 15) == 0 && t3d__exec_check(ex, "") != T3D_OK) return fail_wait(s, ex, lo, hi, target);

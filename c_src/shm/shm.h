@@ -47,11 +47,16 @@ typedef struct t3d_shm_info {
   uint64_t aux;  /* alltoallv: the largest block this rank sends */
   uint64_t addr; /* single-copy allgatherv: where this rank's block is, in its process */
   int64_t pid;   /* this rank's process, for reading at addr */
+  uint64_t spare[2];
+  /* Set to phase base + 1 of the step, after the rank posted that phase, by a one-shot allreduce / reduce whose
+   * vector travels in this line: a reader that sees it knows the flag and the vector without reading the flag's
+   * line (t3d__shm_wait_line). Steps that do not set it leave an older phase here, which no wait takes for its. */
+  _Atomic uint64_t seq;
 } t3d_shm_info_t;
-_Static_assert(sizeof(t3d_shm_info_t) <= 64, "an info line is one cache line");
+_Static_assert(sizeof(t3d_shm_info_t) == 64, "an info line is one cache line");
 /* A one-shot allreduce / reduce of at most this many bytes writes its vector into the info line in place of aux,
- * addr and pid (shm_coll.c). */
-#define T3D_SHM_INLINE_DATA (64 - 2 * sizeof(uint64_t))
+ * addr, pid and spare (shm_coll.c). */
+#define T3D_SHM_INLINE_DATA (64 - 3 * sizeof(uint64_t))
 
 struct t3d_shm {
   char *base;
@@ -159,6 +164,9 @@ t3d_result_t t3d__shm_wait_until(t3d_shm_t *s, t3d_exec_t *ex, int who, uint64_t
 static inline t3d_result_t t3d__shm_wait(t3d_shm_t *s, t3d_exec_t *ex, int who, uint64_t target) {
   return t3d__shm_wait_until(s, ex, who, target, 0);
 }
+/* t3d__shm_wait_until, where a rank also counts as there once the seq of its info line for half / slot h equals
+ * target (one-shot vectors in the info line). */
+t3d_result_t t3d__shm_wait_line(t3d_shm_t *s, t3d_exec_t *ex, int who, uint64_t target, uint64_t until, int h);
 /* Calls fn for every other rank as soon as it reaches `target` (ranks after this one first). */
 typedef void (*t3d_shm_peer_fn)(void *arg, int peer);
 t3d_result_t t3d__shm_wait_each(t3d_shm_t *s, t3d_exec_t *ex, uint64_t target, t3d_shm_peer_fn fn, void *arg);

@@ -96,14 +96,24 @@ static t3d_result_t oneshot_publish(t3d_shm_t *s, t3d_exec_t *ex, const void *se
   }
   /* A non-root of a reduce has nothing to read: it is done with the step. */
   t3d__shm_post(s, root >= 0 && root != s->rank ? st->base + 2 : st->base + 1);
+  /* After the post: a reader that sees seq may take the flag as posted too. */
+  if (root != s->rank && bytes <= T3D_SHM_INLINE_DATA)
+    atomic_store_explicit(&t3d__shm_info(s, s->rank, st->h)->seq, st->base + 1, memory_order_release);
   return T3D_OK;
+}
+
+/* Waits for every rank's phase base + 1 (or, with root, the root's), through the info lines' seq when the vector
+ * travels in them. */
+static t3d_result_t oneshot_wait(t3d_shm_t *s, t3d_exec_t *ex, int who, int h, uint64_t base, size_t bytes,
+                                 uint64_t until) {
+  return t3d__shm_wait_line(s, ex, who, base + 1, until, bytes <= T3D_SHM_INLINE_DATA ? h : -1);
 }
 
 static t3d_result_t oneshot_fold(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step_t *st, const void *sendbuf,
                                  void *recvbuf, size_t count, t3d_dtype_t dt, t3d_redop_t op, int kind) {
   int n = s->size, me = s->rank;
   size_t bytes = count * t3d_dtype_size(dt);
-  T3D_CHECK(t3d__shm_wait(s, ex, -1, st->base + 1));
+  T3D_CHECK(oneshot_wait(s, ex, -1, st->h, st->base, bytes, 0));
   for (int p = 0; p < n; p++) {
     if (p != me) T3D_CHECK(t3d__shm_check_info(s, ex, st, p, kind, bytes));
     s->srcs[p] = p == me ? sendbuf : oneshot_src(s, p, st->h, bytes);
@@ -142,7 +152,8 @@ t3d_result_t t3d__shm_oneshot_start(t3d_exec_t *ex, const void *sendbuf, size_t 
 }
 
 t3d_result_t t3d__shm_start_wait(t3d_exec_t *ex, const t3d_shm_resume_t *rs, int who, uint64_t until) {
-  return t3d__shm_wait_until(t3d__exec_shm(ex), ex, who, rs->base + 1, until);
+  /* Any step's info line may hold seq: only a one-shot in that line ever sets it to this step's phase. */
+  return t3d__shm_wait_line(t3d__exec_shm(ex), ex, who, rs->base + 1, until, rs->h);
 }
 
 t3d_result_t t3d__shm_oneshot_finish(t3d_exec_t *ex, const t3d_shm_resume_t *rs, const void *sendbuf, void *recvbuf,
