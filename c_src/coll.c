@@ -504,6 +504,7 @@ static t3d_result_t finish_inline(t3d_exec_t *ex, t3d_request_t *r) {
 t3d_result_t t3d__execute_start(t3d_exec_t *ex, t3d_request_t *r) {
   size_t es = t3d_dtype_size(r->dtype);
   int who = -1;
+  r->rs = (t3d_shm_resume_t){0};
   switch (r->kind) {
     case T3D_OP_BARRIER: t3d__shm_barrier_start(ex, &r->rs); break;
     case T3D_OP_BROADCAST:

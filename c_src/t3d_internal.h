@@ -211,6 +211,7 @@ t3d_result_t t3d__shm_barrier(t3d_exec_t *ex);
 typedef struct t3d_shm_resume {
   int h;
   uint64_t base;
+  size_t bytes; /* one-shot allreduce: its size (how peers' arrival shows); 0 for the others */
 } t3d_shm_resume_t;
 t3d_result_t t3d__shm_start_wait(t3d_exec_t *ex, const t3d_shm_resume_t *rs, int who, uint64_t until);
 int t3d__shm_oneshot_fits(t3d_shm_t *shm, size_t bytes);

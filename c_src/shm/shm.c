@@ -139,6 +139,7 @@ static t3d_result_t create_segment(t3d_comm_t *comm, t3d_shm_t *s, size_t rank_b
   hdr->total = total;
   hdr->p2p_eager = eager;
   hdr->p2p_slots = slots;
+  hdr->salt = s->salt = (uint64_t)random_bits() << 32 | random_bits();
   s->p2p_eager = eager;
   s->p2p_slots = slots;
   hdr->magic = T3D_SHM_MAGIC; /* published to the others through the store, which orders it */
@@ -183,6 +184,7 @@ static t3d_result_t attach_segment(t3d_shm_t *s, char *err, size_t errlen) {
   s->half = (size_t)hdr->half;
   s->p2p_eager = (size_t)hdr->p2p_eager;
   s->p2p_slots = (unsigned)hdr->p2p_slots;
+  s->salt = hdr->salt;
   layout(s);
   return T3D_OK;
 }
@@ -448,23 +450,34 @@ static t3d_result_t fail_wait(t3d_shm_t *s, t3d_exec_t *ex, int lo, int hi, uint
   return t3d__exec_check(ex, names);
 }
 
-/* Whether rank p has reached target: its flag, or (h >= 0) the seq of its info line for h. */
-static int arrived(t3d_shm_t *s, int p, uint64_t target, int h) {
-  if (h >= 0 && atomic_load_explicit(&t3d__shm_info(s, p, h)->seq, memory_order_acquire) == target) return 1;
+int t3d__shm_arrived_by_line(t3d_shm_t *s, int p, const t3d_shm_arrival_t *a) {
+  if (a->lines == 0) return atomic_load_explicit(&t3d__shm_info(s, p, a->h)->seq, memory_order_acquire) == a->word;
+  /* Every word is loaded before any is judged, so that the misses overlap. */
+  char *half = t3d__shm_half(s, p, a->h);
+  int all = 1;
+  for (unsigned i = 0; i < a->lines; i++)
+    all &= atomic_load_explicit(t3d__shm_line_end(half, i), memory_order_acquire) == a->word;
+  return all;
+}
+
+/* Whether rank p has reached target: its flag, or what `a` names. */
+static int arrived(t3d_shm_t *s, int p, uint64_t target, const t3d_shm_arrival_t *a) {
+  if (a != NULL && a->h >= 0 && t3d__shm_arrived_by_line(s, p, a)) return 1;
   return atomic_load_explicit(t3d__shm_flag(s, p), memory_order_acquire) >= target;
 }
 
 t3d_result_t t3d__shm_wait_until(t3d_shm_t *s, t3d_exec_t *ex, int who, uint64_t target, uint64_t until) {
-  return t3d__shm_wait_line(s, ex, who, target, until, -1);
+  return t3d__shm_wait_line(s, ex, who, target, until, NULL);
 }
 
-t3d_result_t t3d__shm_wait_line(t3d_shm_t *s, t3d_exec_t *ex, int who, uint64_t target, uint64_t until, int h) {
+t3d_result_t t3d__shm_wait_line(t3d_shm_t *s, t3d_exec_t *ex, int who, uint64_t target, uint64_t until,
+                                const t3d_shm_arrival_t *a) {
   int lo = who < 0 ? 0 : who, hi = who < 0 ? s->size : who + 1;
   int next = lo; /* flags only grow: a rank seen at target stays there */
   t3d_backoff_t b = {0};
   for (unsigned it = 1;; it++) {
     int before = next;
-    while (next < hi && (next == s->rank || arrived(s, next, target, h))) next++;
+    while (next < hi && (next == s->rank || arrived(s, next, target, a))) next++;
     if (next == hi) break;
     if (next != before) t3d__backoff_reset(&b);
     if ((it & 15) == 0 && t3d__exec_check(ex, "") != T3D_OK) return fail_wait(s, ex, lo, hi, target);

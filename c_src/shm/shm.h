@@ -21,7 +21,7 @@
  *   p2p      point-to-point (p2p.c): per rank T3D_SHM_P2P_RECORDS rendezvous records, then one ring of slots per
  *            ordered pair (sender, receiver)
  * A rank writes only its own flag, info lines and halves (and, in p2p, what p2p.c says). */
-#define T3D_SHM_MAGIC 0x3330304d48534433ull /* "3DSHM003" */
+#define T3D_SHM_MAGIC 0x3430304d48534433ull /* "3DSHM004" */
 #define T3D_SHM_SMALL_SLOTS 16
 #define T3D_SHM_SMALL_BYTES 16384
 #define T3D_SHM_CTRL_STRIDE (128 + 64 * (2 + T3D_SHM_SMALL_SLOTS))
@@ -37,6 +37,7 @@ typedef struct t3d_shm_header {
   uint64_t total;
   uint64_t p2p_eager; /* point-to-point: bytes a slot carries (p2p.c) */
   uint64_t p2p_slots; /* slots per ring */
+  uint64_t salt;      /* random, mixed into the words of one-shot lines (t3d__shm_line_word) */
 } t3d_shm_header_t;
 
 /* Written by a rank into the info line of the half it uses, before it publishes the first step of an operation;
@@ -86,6 +87,7 @@ struct t3d_shm {
                        * owner's buffer (shm_coll.c, "single copy"); 0: never (rank 0's choice for all) */
   size_t direct_max;
   int pid;            /* this process */
+  uint64_t salt;      /* the header's */
   t3d_shm_p2p_t *p2p; /* the communicator's point-to-point over the region, once made (comm.c) */
   int *pending;       /* scratch: ranks still awaited */
   const void **srcs;  /* scratch: one source per rank */
@@ -164,9 +166,28 @@ t3d_result_t t3d__shm_wait_until(t3d_shm_t *s, t3d_exec_t *ex, int who, uint64_t
 static inline t3d_result_t t3d__shm_wait(t3d_shm_t *s, t3d_exec_t *ex, int who, uint64_t target) {
   return t3d__shm_wait_until(s, ex, who, target, 0);
 }
-/* t3d__shm_wait_until, where a rank also counts as there once the seq of its info line for half / slot h equals
- * target (one-shot vectors in the info line). */
-t3d_result_t t3d__shm_wait_line(t3d_shm_t *s, t3d_exec_t *ex, int who, uint64_t target, uint64_t until, int h);
+/* One-shot vectors of up to T3D_SHM_LINES_MAX bytes: T3D_SHM_LINE_DATA bytes in each line of the half, whose last
+ * word holds t3d__shm_line_word of the step's phase base + 1, the operation's kind and its size (shm_coll.c). */
+#define T3D_SHM_LINE_DATA 56
+#define T3D_SHM_LINES_MAX (5 * T3D_SHM_LINE_DATA) /* measured: a gain up to 5 lines, a loss from 10 */
+/* The salt (the segment's, random) keeps a word that an earlier operation's data left at a line's end from passing
+ * for a later step's: it would have to hold that step's phase, kind and size, mixed with a value it cannot know. */
+static inline uint64_t t3d__shm_line_word(const t3d_shm_t *s, uint64_t phase, int kind, size_t bytes) {
+  return (phase << 24 | (uint64_t)(kind & 0xff) << 16 | (uint64_t)bytes) ^ s->salt;
+}
+static inline _Atomic uint64_t *t3d__shm_line_end(char *half, unsigned line) {
+  return (_Atomic uint64_t *)(void *)(half + (size_t)line * 64 + T3D_SHM_LINE_DATA);
+}
+/* How a rank may show that it reached a phase besides its flag (t3d__shm_wait_line). */
+typedef struct t3d_shm_arrival {
+  int h;          /* the half / slot of the step; < 0: by its flag only */
+  unsigned lines; /* 0: its info line's seq equals `word`; else the first `lines` lines of its half end with `word` */
+  uint64_t word;
+} t3d_shm_arrival_t;
+int t3d__shm_arrived_by_line(t3d_shm_t *s, int p, const t3d_shm_arrival_t *a);
+/* t3d__shm_wait_until, where a rank also counts as there once it shows so as `a` says (NULL: flags only). */
+t3d_result_t t3d__shm_wait_line(t3d_shm_t *s, t3d_exec_t *ex, int who, uint64_t target, uint64_t until,
+                                const t3d_shm_arrival_t *a);
 /* Calls fn for every other rank as soon as it reaches `target` (ranks after this one first). */
 typedef void (*t3d_shm_peer_fn)(void *arg, int peer);
 t3d_result_t t3d__shm_wait_each(t3d_shm_t *s, t3d_exec_t *ex, uint64_t target, t3d_shm_peer_fn fn, void *arg);

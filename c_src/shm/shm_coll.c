@@ -71,54 +71,94 @@ static t3d_result_t direct_end(t3d_shm_t *s, t3d_exec_t *ex, uint64_t done, t3d_
 /* Every rank's whole vector goes into its half; the reducing ranks fold all halves in rank order, so every rank
  * computes the same bits. root < 0: allreduce. Two parts, so that an inline allreduce can publish on the caller's
  * thread and leave the fold to the progress thread when peers are late (t3d__shm_oneshot_*).
- * A vector of at most T3D_SHM_INLINE_DATA bytes travels in the info line itself, after kind and size: a reader
- * then pulls one cache line from each peer besides its flag, not two. */
-static const void *oneshot_src(const t3d_shm_t *s, int p, int h, size_t bytes) {
-  if (bytes <= T3D_SHM_INLINE_DATA) return t3d__shm_inline_data(s, p, h);
-  return t3d__shm_half(s, p, h);
+ * Small vectors avoid the separate lines of flag, info and data, which a reader would pull one after the other:
+ * - at most T3D_SHM_INLINE_DATA bytes travel in the info line, after kind and size, and the line's seq says the
+ *   phase is posted: one line per peer;
+ * - up to T3D_SHM_LINES_MAX bytes travel in lines of the half that carry 56 bytes each and end with one word of
+ *   phase, kind and size: a reader checks the words of all lines at once (their misses overlap), and a match also
+ *   says the peer runs the same operation, so its info line is read only when the words do not match.
+ * Either way the seq / words are written after the flag's post, so a reader that sees them may count the phase as
+ * posted. */
+enum { ONESHOT_INLINE, ONESHOT_LINES, ONESHOT_HALF };
+
+static int oneshot_mode(size_t bytes) {
+  if (bytes <= T3D_SHM_INLINE_DATA) return ONESHOT_INLINE;
+  return bytes <= T3D_SHM_LINES_MAX ? ONESHOT_LINES : ONESHOT_HALF;
+}
+
+static unsigned oneshot_lines(size_t bytes) { return (unsigned)((bytes + T3D_SHM_LINE_DATA - 1) / T3D_SHM_LINE_DATA); }
+
+/* How a reader of this one-shot step may see a peer arrive besides its flag. */
+static t3d_shm_arrival_t oneshot_arrival(const t3d_shm_t *s, int h, uint64_t base, int kind, size_t bytes) {
+  t3d_shm_arrival_t a = {h, 0, base + 1};
+  if (oneshot_mode(bytes) == ONESHOT_LINES) {
+    a.lines = oneshot_lines(bytes);
+    a.word = t3d__shm_line_word(s, base + 1, kind, bytes);
+  } else if (oneshot_mode(bytes) == ONESHOT_HALF) {
+    a.h = -1;
+  }
+  return a;
 }
 
 static t3d_result_t oneshot_publish(t3d_shm_t *s, t3d_exec_t *ex, const void *sendbuf, size_t bytes, int root,
                                     int kind, t3d_shm_step_t *st) {
   t3d__shm_step_begin(s, 2, st);
+  int mode = oneshot_mode(bytes);
+  char *half = t3d__shm_half(s, s->rank, st->h);
   /* The root of a reduce reads its own input in place; everybody else publishes it. */
   if (root != s->rank) {
     T3D_CHECK(t3d__shm_step_acquire(s, ex, st));
-    if (bytes <= T3D_SHM_INLINE_DATA) {
+    if (mode == ONESHOT_INLINE) {
       t3d_shm_info_t *in = t3d__shm_info(s, s->rank, st->h);
       in->kind = (uint64_t)kind;
       in->sig = bytes;
       memcpy(t3d__shm_inline_data(s, s->rank, st->h), sendbuf, bytes);
     } else {
       t3d__shm_put_info(s, st, kind, bytes, 0);
-      memcpy(t3d__shm_half(s, s->rank, st->h), sendbuf, bytes);
+      if (mode == ONESHOT_HALF) memcpy(half, sendbuf, bytes);
+      for (size_t off = 0; mode == ONESHOT_LINES && off < bytes; off += T3D_SHM_LINE_DATA)
+        memcpy(half + off / T3D_SHM_LINE_DATA * 64, (const char *)sendbuf + off, min_sz(T3D_SHM_LINE_DATA, bytes - off));
     }
   }
   /* A non-root of a reduce has nothing to read: it is done with the step. */
   t3d__shm_post(s, root >= 0 && root != s->rank ? st->base + 2 : st->base + 1);
-  /* After the post: a reader that sees seq may take the flag as posted too. */
-  if (root != s->rank && bytes <= T3D_SHM_INLINE_DATA)
+  if (root == s->rank || mode == ONESHOT_HALF) return T3D_OK;
+  if (mode == ONESHOT_INLINE) {
     atomic_store_explicit(&t3d__shm_info(s, s->rank, st->h)->seq, st->base + 1, memory_order_release);
+    return T3D_OK;
+  }
+  uint64_t word = t3d__shm_line_word(s, st->base + 1, kind, bytes);
+  for (unsigned i = 0; i < oneshot_lines(bytes); i++) atomic_store_explicit(t3d__shm_line_end(half, i), word,
+                                                                            memory_order_release);
   return T3D_OK;
-}
-
-/* Waits for every rank's phase base + 1 (or, with root, the root's), through the info lines' seq when the vector
- * travels in them. */
-static t3d_result_t oneshot_wait(t3d_shm_t *s, t3d_exec_t *ex, int who, int h, uint64_t base, size_t bytes,
-                                 uint64_t until) {
-  return t3d__shm_wait_line(s, ex, who, base + 1, until, bytes <= T3D_SHM_INLINE_DATA ? h : -1);
 }
 
 static t3d_result_t oneshot_fold(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step_t *st, const void *sendbuf,
                                  void *recvbuf, size_t count, t3d_dtype_t dt, t3d_redop_t op, int kind) {
   int n = s->size, me = s->rank;
-  size_t bytes = count * t3d_dtype_size(dt);
-  T3D_CHECK(oneshot_wait(s, ex, -1, st->h, st->base, bytes, 0));
+  size_t es = t3d_dtype_size(dt), bytes = count * es;
+  t3d_shm_arrival_t a = oneshot_arrival(s, st->h, st->base, kind, bytes);
+  T3D_CHECK(t3d__shm_wait_line(s, ex, -1, st->base + 1, 0, &a));
   for (int p = 0; p < n; p++) {
-    if (p != me) T3D_CHECK(t3d__shm_check_info(s, ex, st, p, kind, bytes));
-    s->srcs[p] = p == me ? sendbuf : oneshot_src(s, p, st->h, bytes);
+    /* Matching words already say the peer runs this operation at this size. */
+    if (p != me && !(a.lines > 0 && t3d__shm_arrived_by_line(s, p, &a)))
+      T3D_CHECK(t3d__shm_check_info(s, ex, st, p, kind, bytes));
+    s->srcs[p] = p == me ? sendbuf
+                         : a.h >= 0 && a.lines == 0 ? (const void *)t3d__shm_inline_data(s, p, st->h)
+                                                    : (const void *)t3d__shm_half(s, p, st->h);
   }
-  t3d__shm_reduce_n(recvbuf, NULL, s->srcs, n, count, dt, op, 0);
+  if (a.lines == 0) {
+    t3d__shm_reduce_n(recvbuf, NULL, s->srcs, n, count, dt, op, 0);
+  } else {
+    /* Line by line: 56 bytes of each vector, then the next line of every half. */
+    for (size_t off = 0; off < bytes; off += T3D_SHM_LINE_DATA) {
+      for (int p = 0; p < n; p++) {
+        s->srcs[p] = p == me ? (const char *)sendbuf + off : t3d__shm_half(s, p, st->h) + off / T3D_SHM_LINE_DATA * 64;
+      }
+      t3d__shm_reduce_n((char *)recvbuf + off, NULL, s->srcs, n, min_sz(T3D_SHM_LINE_DATA, bytes - off) / es, dt, op,
+                        0);
+    }
+  }
   t3d__shm_post(s, st->base + 2);
   return T3D_OK;
 }
@@ -148,12 +188,16 @@ t3d_result_t t3d__shm_oneshot_start(t3d_exec_t *ex, const void *sendbuf, size_t 
   T3D_CHECK(oneshot_publish(s, ex, sendbuf, bytes, -1, T3D_OP_ALLREDUCE, &st));
   rs->h = st.h;
   rs->base = st.base;
+  rs->bytes = bytes;
   return T3D_OK;
 }
 
 t3d_result_t t3d__shm_start_wait(t3d_exec_t *ex, const t3d_shm_resume_t *rs, int who, uint64_t until) {
-  /* Any step's info line may hold seq: only a one-shot in that line ever sets it to this step's phase. */
-  return t3d__shm_wait_line(t3d__exec_shm(ex), ex, who, rs->base + 1, until, rs->h);
+  /* Any step's info line may hold seq: only a one-shot in that line ever sets it to this step's phase. The lines
+   * of a half are read for their words only when this is a one-shot's start (rs->bytes set). */
+  t3d_shm_arrival_t a = {rs->h, 0, rs->base + 1};
+  if (rs->bytes > 0) a = oneshot_arrival(t3d__exec_shm(ex), rs->h, rs->base, T3D_OP_ALLREDUCE, rs->bytes);
+  return t3d__shm_wait_line(t3d__exec_shm(ex), ex, who, rs->base + 1, until, &a);
 }
 
 t3d_result_t t3d__shm_oneshot_finish(t3d_exec_t *ex, const t3d_shm_resume_t *rs, const void *sendbuf, void *recvbuf,

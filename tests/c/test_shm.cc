@@ -604,23 +604,30 @@ TEST(ShmFailure, MissingRankTimesOutBarrier) {
   ExpectTimeoutNaming(8, "barrier", [&](t3d_comm_t *c, int, t3d_request_t **r) { return t3d_barrier(c, nullptr, r); });
 }
 
-// Ranks that disagree on the size fail with T3D_ERR_MISMATCH (or time out), never with wrong data or a hang.
+// Ranks that disagree on the size fail with T3D_ERR_MISMATCH (or time out), never with wrong data or a hang. The
+// pairs cover each way a one-shot vector travels (in the info line up to 40 bytes, in 56-byte lines up to 280, in
+// the half above) and pairs across them, with the larger vector on either rank.
 TEST(ShmFailure, SizeMismatchIsReported) {
   RunOptions o;
   o.comm_timeout_ms = 1000;
   o.abort_on_failure = false;
-  RunRanks(2, [&](int rank, t3d_comm_t *comm) {
-    const size_t count = rank == 0 ? 100 : 200;
-    std::vector<float> in(count, 1.0f), out(count);
-    std::string err;
-    t3d_request_t *req = nullptr;
-    const t3d_result_t call = t3d_allreduce(comm, in.data(), out.data(), count, T3D_FLOAT32, T3D_SUM, nullptr, &req);
-    t3d_result_t r = Complete(call, req, &err);
-    EXPECT_TRUE(r == T3D_ERR_MISMATCH || r == T3D_ERR_TIMEOUT) << Tag(rank, t3d_result_string(r)) << " " << err;
-    if (r == T3D_ERR_MISMATCH) {
-      EXPECT_NE(err.find("disagree"), std::string::npos) << err;
-    }
-  }, o);
+  const size_t pairs[][2] = {{5, 8}, {20, 30}, {30, 20}, {8, 20}, {60, 100}, {100, 200}};
+  for (const auto &pair : pairs) {
+    RunRanks(2, [&](int rank, t3d_comm_t *comm) {
+      const size_t count = pair[rank];
+      std::vector<float> in(count, 1.0f), out(count);
+      std::string err;
+      t3d_request_t *req = nullptr;
+      const t3d_result_t call =
+          t3d_allreduce(comm, in.data(), out.data(), count, T3D_FLOAT32, T3D_SUM, nullptr, &req);
+      t3d_result_t r = Complete(call, req, &err);
+      EXPECT_TRUE(r == T3D_ERR_MISMATCH || r == T3D_ERR_TIMEOUT)
+          << Tag(rank, t3d_result_string(r)) << " " << err << " (counts " << pair[0] << ", " << pair[1] << ")";
+      if (r == T3D_ERR_MISMATCH) {
+        EXPECT_NE(err.find("disagree"), std::string::npos) << err;
+      }
+    }, o);
+  }
 }
 
 // An alltoallv whose ranks disagree on a split (rank 0 sends 5 elements to rank 1, which expects 6) fails on the
