@@ -169,7 +169,7 @@ static inline t3d_result_t t3d__shm_wait(t3d_shm_t *s, t3d_exec_t *ex, int who, 
 /* One-shot vectors of up to T3D_SHM_LINES_MAX bytes: T3D_SHM_LINE_DATA bytes in each line of the half, whose last
  * word holds t3d__shm_line_word of the step's phase base + 1, the operation's kind and its size (shm_coll.c). */
 #define T3D_SHM_LINE_DATA 56
-#define T3D_SHM_LINES_MAX (5 * T3D_SHM_LINE_DATA) /* measured: a gain up to 5 lines, a loss from 10 */
+#define T3D_SHM_LINES_MAX (3 * T3D_SHM_LINE_DATA) /* measured: a gain at 2-3 lines, a loss at 5 and more */
 /* The salt (the segment's, random) keeps a word that an earlier operation's data left at a line's end from passing
  * for a later step's: it would have to hold that step's phase, kind and size, mixed with a value it cannot know. */
 static inline uint64_t t3d__shm_line_word(const t3d_shm_t *s, uint64_t phase, int kind, size_t bytes) {
