@@ -133,3 +133,14 @@ def test_oversubscribed_targets_compare_with_gloo_and_with_the_two_rank_run():
     assert v["8 ranks: small sizes <= 10x the 2-rank time"][0] == "met"
     assert _verdicts(bc.targets(res, 8, 10e9, cores=2))["8 ranks: small sizes <= 10x the 2-rank time"][0] == \
         "not measured"
+
+
+def test_the_switch_floor_is_shown_beside_the_ten_times_target():
+    res = {"_load": 0.0, "t3d": [_row("all_reduce", 8, 150.0, floor_us=12.0, switch_floor_us=90.0)],
+           "gloo": [_row("all_reduce", 8, 9000.0)]}
+    two = {"t3d": [_row("all_reduce", 8, 6.0)]}
+    v = _verdicts(bc.targets(res, 8, 10e9, cores=2, two_rank=two))
+    verdict, detail = v["8 ranks: small sizes <= 10x the 2-rank time"]
+    assert verdict == "not met" and "one switch per call alone takes 15.0-15.0x" in detail
+    md = bc.render(res, 8, 10e9, {}, two)
+    assert "floor, one switch per call (us)" in md and "| 90.0 |" in md

@@ -196,6 +196,14 @@ def _rank_main(rank: int, n: int, backend: str, init: str, ops: list[str], sizes
                 run, check, size_b = _make_op(op, nbytes, rank, n, dist, torch)
                 floor_run = (_make_op(op, nbytes, rank, n, dist, torch, group=fake)[0] if op == "all_reduce"
                              else None)
+                # With more ranks than cores, a call that needs every rank's input waits for ranks that are not
+                # running, so each rank gives up its core about once per call: the same no-op loop with one yield
+                # per call shows what that alone costs (its caches and TLB are cold when it runs again).
+                switch_run = None
+                if floor_run is not None and n > (os.cpu_count() or 1) and nbytes <= SMALL_MAX:
+                    def switch_run(f=floor_run):
+                        f()
+                        os.sched_yield()
                 warm, iters = iters_for(nbytes)
                 t0 = time.perf_counter()
                 for _ in range(warm):
@@ -206,20 +214,26 @@ def _rank_main(rank: int, n: int, backend: str, init: str, ops: list[str], sizes
                                       lambda t: _max_over_ranks(t, dist, torch))
                 ok = check()
                 per = max(1, iters // BATCHES)
-                spent = floor_spent = 0.0
+                spent = floor_spent = switch_spent = 0.0
                 for _ in range(BATCHES):
                     if floor_run is not None:  # all ranks at once, as in the timed batch
                         dist.barrier()
                         floor_spent += _timed(floor_run, per)
+                    if switch_run is not None:
+                        dist.barrier()
+                        switch_spent += _timed(switch_run, per)
                     dist.barrier()
                     spent += _timed(run, per)
                 # the slowest rank's time is the op's time, as in nccl-tests
-                stat = torch.tensor([spent / (per * BATCHES), floor_spent / (per * BATCHES), 0.0 if ok else 1.0],
+                calls = per * BATCHES
+                stat = torch.tensor([spent / calls, floor_spent / calls, 0.0 if ok else 1.0, switch_spent / calls],
                                     dtype=torch.float64)
                 dist.all_reduce(stat, op=dist.ReduceOp.MAX)
                 row = {"op": op, "bytes": size_b, "time_us": stat[0].item() * 1e6, "wrong": int(stat[2].item())}
                 if floor_run is not None:
                     row["floor_us"] = stat[1].item() * 1e6
+                if switch_run is not None:
+                    row["switch_floor_us"] = stat[3].item() * 1e6
                 rows.append(row)
     finally:
         dist.destroy_process_group()
@@ -396,6 +410,11 @@ def render(results: dict, n: int, B: float, skipped: dict, two_rank: dict | None
         lines.append("torch dispatch floor (all_reduce rows): the same loop body (dist.all_reduce) on a no-op "
                      "'fake' process group, timed in the same rank processes in batches interleaved with t3d's "
                      "(slowest rank). 't3d - floor' is what t3d adds to it.")
+    if any("switch_floor_us" in r for r in results.get("t3d", [])):
+        lines.append("With more ranks than cores, 'floor, one switch per call' runs that no-op loop with one "
+                     "os.sched_yield() after each call: a collective that needs every rank's input waits for ranks "
+                     "that are not running, so each rank gives up its core about once per call, and this is what "
+                     "that alone costs.")
     lines.append("Timed loops only communicate (as in nccl-tests): buffers are not re-initialised inside them; the "
                  "check sets known inputs and runs the op once more.")
     for name, why in skipped.items():
@@ -409,8 +428,11 @@ def render(results: dict, n: int, B: float, skipped: dict, two_rank: dict | None
             head += " | " + " | ".join(f"t3d/{b}" for b in backends if b != "t3d")
         head += " | bound (GB/s) | t3d % of bound"
         with_floor = op == "all_reduce" and any("floor_us" in r for r in results.get("t3d", []))
+        with_switch = op == "all_reduce" and any("switch_floor_us" in r for r in results.get("t3d", []))
         if with_floor:
             head += " | floor (us) | t3d - floor (us)"
+        if with_switch:
+            head += " | floor, one switch per call (us)"
         head += " | check |"
         lines += [head, "|" + "---|" * (head.count("|") - 1)]
         by = {b: {r["bytes"]: r for r in results[b] if r["op"] == op} for b in backends}
@@ -436,6 +458,8 @@ def render(results: dict, n: int, B: float, skipped: dict, two_rank: dict | None
                          if a else "-")
             if with_floor:
                 cells += [f"{a['floor_us']:.1f}", f"{a['time_us'] - a['floor_us']:.1f}"] if a else ["-", "-"]
+            if with_switch:
+                cells.append(f"{a['switch_floor_us']:.1f}" if a and "switch_floor_us" in a else "-")
             cells.append("ok" if wrong == 0 else "WRONG")
             lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "t3d/X is X's time over t3d's: above 1 means t3d is faster."]
@@ -532,6 +556,7 @@ def targets(results: dict, n: int, B: float, cores: int, two_rank: dict | None =
         if two_rank is None:
             add(f"{n} ranks: small sizes <= 10x the 2-rank time", ("not measured", "no 2-rank run beside this one"))
         else:
+            two_ar = _rows(two_rank, "t3d", "all_reduce")
             for b in ["t3d"] + [p for p in peers if p != "gloo"]:
                 bad, checked = [], 0
                 for op in OPS:
@@ -542,7 +567,14 @@ def targets(results: dict, n: int, B: float, cores: int, two_rank: dict | None =
                             if r["time_us"] > 10 * theirs[s]["time_us"]:
                                 bad.append(f"{op} {human(s)} {r['time_us'] / theirs[s]['time_us']:.1f}x")
                 name = f"{n} ranks: small sizes <= 10x the 2-rank time"
-                add(name if b == "t3d" else f"(yardstick) {b}: {name}", _verdict(bad, checked, f"{checked} rows"))
+                verdict = _verdict(bad, checked, f"{checked} rows")
+                mine = _rows(results, "t3d", "all_reduce") if b == "t3d" else {}
+                ratios = [r["switch_floor_us"] / two_ar[s]["time_us"] for s, r in mine.items()
+                          if "switch_floor_us" in r and s in two_ar]
+                if ratios:
+                    verdict = (verdict[0], f"{verdict[1]}; torch's no-op backend with one switch per call alone takes "
+                               f"{min(ratios):.1f}-{max(ratios):.1f}x t3d's 2-rank all_reduce time")
+                add(name if b == "t3d" else f"(yardstick) {b}: {name}", verdict)
     bad, checked = [], 0
     for op in ("all_gather", "reduce_scatter", "all_to_all", "broadcast"):
         for s, r in sorted(_rows(results, "t3d", op).items()):
