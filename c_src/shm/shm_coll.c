@@ -86,7 +86,9 @@ static int oneshot_mode(size_t bytes) {
   return bytes <= T3D_SHM_LINES_MAX ? ONESHOT_LINES : ONESHOT_HALF;
 }
 
-static unsigned oneshot_lines(size_t bytes) { return (unsigned)((bytes + T3D_SHM_LINE_DATA - 1) / T3D_SHM_LINE_DATA); }
+static unsigned oneshot_lines(size_t bytes) {
+  return (unsigned)((bytes + T3D_SHM_LINE_DATA - 1) / T3D_SHM_LINE_DATA);
+}
 
 /* How a reader of this one-shot step may see a peer arrive besides its flag. */
 static t3d_shm_arrival_t oneshot_arrival(const t3d_shm_t *s, int h, uint64_t base, int kind, size_t bytes) {
@@ -116,8 +118,10 @@ static t3d_result_t oneshot_publish(t3d_shm_t *s, t3d_exec_t *ex, const void *se
     } else {
       t3d__shm_put_info(s, st, kind, bytes, 0);
       if (mode == ONESHOT_HALF) memcpy(half, sendbuf, bytes);
-      for (size_t off = 0; mode == ONESHOT_LINES && off < bytes; off += T3D_SHM_LINE_DATA)
-        memcpy(half + off / T3D_SHM_LINE_DATA * 64, (const char *)sendbuf + off, min_sz(T3D_SHM_LINE_DATA, bytes - off));
+      for (size_t off = 0; mode == ONESHOT_LINES && off < bytes; off += T3D_SHM_LINE_DATA) {
+        size_t len = min_sz(T3D_SHM_LINE_DATA, bytes - off);
+        memcpy(half + off / T3D_SHM_LINE_DATA * 64, (const char *)sendbuf + off, len);
+      }
     }
   }
   /* A non-root of a reduce has nothing to read: it is done with the step. */
@@ -128,8 +132,8 @@ static t3d_result_t oneshot_publish(t3d_shm_t *s, t3d_exec_t *ex, const void *se
     return T3D_OK;
   }
   uint64_t word = t3d__shm_line_word(s, st->base + 1, kind, bytes);
-  for (unsigned i = 0; i < oneshot_lines(bytes); i++) atomic_store_explicit(t3d__shm_line_end(half, i), word,
-                                                                            memory_order_release);
+  for (unsigned i = 0; i < oneshot_lines(bytes); i++)
+    atomic_store_explicit(t3d__shm_line_end(half, i), word, memory_order_release);
   return T3D_OK;
 }
 
@@ -143,20 +147,20 @@ static t3d_result_t oneshot_fold(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_ste
     /* Matching words already say the peer runs this operation at this size. */
     if (p != me && !(a.lines > 0 && t3d__shm_arrived_by_line(s, p, &a)))
       T3D_CHECK(t3d__shm_check_info(s, ex, st, p, kind, bytes));
-    s->srcs[p] = p == me ? sendbuf
-                         : a.h >= 0 && a.lines == 0 ? (const void *)t3d__shm_inline_data(s, p, st->h)
-                                                    : (const void *)t3d__shm_half(s, p, st->h);
+    if (p == me) s->srcs[p] = sendbuf;
+    else if (oneshot_mode(bytes) == ONESHOT_INLINE) s->srcs[p] = t3d__shm_inline_data(s, p, st->h);
+    else s->srcs[p] = t3d__shm_half(s, p, st->h);
   }
-  if (a.lines == 0) {
+  if (oneshot_mode(bytes) != ONESHOT_LINES) {
     t3d__shm_reduce_n(recvbuf, NULL, s->srcs, n, count, dt, op, 0);
   } else {
     /* Line by line: 56 bytes of each vector, then the next line of every half. */
     for (size_t off = 0; off < bytes; off += T3D_SHM_LINE_DATA) {
-      for (int p = 0; p < n; p++) {
-        s->srcs[p] = p == me ? (const char *)sendbuf + off : t3d__shm_half(s, p, st->h) + off / T3D_SHM_LINE_DATA * 64;
-      }
-      t3d__shm_reduce_n((char *)recvbuf + off, NULL, s->srcs, n, min_sz(T3D_SHM_LINE_DATA, bytes - off) / es, dt, op,
-                        0);
+      size_t line = off / T3D_SHM_LINE_DATA * 64;
+      for (int p = 0; p < n; p++)
+        s->srcs[p] = p == me ? (const char *)sendbuf + off : t3d__shm_half(s, p, st->h) + line;
+      size_t elems = min_sz(T3D_SHM_LINE_DATA, bytes - off) / es;
+      t3d__shm_reduce_n((char *)recvbuf + off, NULL, s->srcs, n, elems, dt, op, 0);
     }
   }
   t3d__shm_post(s, st->base + 2);
