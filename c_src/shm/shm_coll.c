@@ -197,11 +197,12 @@ t3d_result_t t3d__shm_oneshot_start(t3d_exec_t *ex, const void *sendbuf, size_t 
 }
 
 t3d_result_t t3d__shm_start_wait(t3d_exec_t *ex, const t3d_shm_resume_t *rs, int who, uint64_t until) {
-  /* Any step's info line may hold seq: only a one-shot in that line ever sets it to this step's phase. The lines
-   * of a half are read for their words only when this is a one-shot's start (rs->bytes set). */
-  t3d_shm_arrival_t a = {rs->h, 0, rs->base + 1};
-  if (rs->bytes > 0) a = oneshot_arrival(t3d__exec_shm(ex), rs->h, rs->base, T3D_OP_ALLREDUCE, rs->bytes);
-  return t3d__shm_wait_line(t3d__exec_shm(ex), ex, who, rs->base + 1, until, &a);
+  /* Only a one-shot's start (rs->bytes set) looks beyond the flags: the other starts would pay a miss on a line
+   * that never says more. */
+  t3d_shm_t *s = t3d__exec_shm(ex);
+  if (rs->bytes == 0) return t3d__shm_wait_line(s, ex, who, rs->base + 1, until, NULL);
+  t3d_shm_arrival_t a = oneshot_arrival(s, rs->h, rs->base, T3D_OP_ALLREDUCE, rs->bytes);
+  return t3d__shm_wait_line(s, ex, who, rs->base + 1, until, &a);
 }
 
 t3d_result_t t3d__shm_oneshot_finish(t3d_exec_t *ex, const t3d_shm_resume_t *rs, const void *sendbuf, void *recvbuf,
