@@ -11,11 +11,12 @@
 #include <stdint.h>
 
 /* Segment layout (every part 4 KiB aligned):
- *   header   one page: magic, rank count, bytes per half (rank 0 decides; the others adopt it)
+ *   header   one page: magic, rank count, bytes per half (rank 0 decides; the others adopt it), a random salt
  *   control  per rank T3D_SHM_CTRL_STRIDE bytes: its progress flag alone in the first 64 bytes and, in the next 64
  *            (the adjacent-line prefetcher fetches lines in pairs), the count of ranks asleep on that flag and the
  *            CPU the rank last ran t3d code on; then one 64-byte op-info line per half and per small slot
- *   data     per rank two halves of `half` bytes; step t of the communicator uses half t & 1 of every rank
+ *   data     per rank two halves of `half` bytes; step t of the communicator uses half t & 1 of every rank (a
+ *            small one-shot allreduce uses its first lines as 56 bytes of data and a word each: shm_coll.c)
  *   small    per rank T3D_SHM_SMALL_SLOTS slots of T3D_SHM_SMALL_BYTES: small broadcasts use them in turn instead of
  *            the halves, so that a root may run that many broadcasts ahead of its slowest reader
  *   p2p      point-to-point (p2p.c): per rank T3D_SHM_P2P_RECORDS rendezvous records, then one ring of slots per
@@ -51,7 +52,8 @@ typedef struct t3d_shm_info {
   uint64_t spare[2];
   /* Set to phase base + 1 of the step, after the rank posted that phase, by a one-shot allreduce / reduce whose
    * vector travels in this line: a reader that sees it knows the flag and the vector without reading the flag's
-   * line (t3d__shm_wait_line). Steps that do not set it leave an older phase here, which no wait takes for its. */
+   * line (t3d__shm_wait_line). Steps that do not set it leave an earlier step's phase here, which no later wait
+   * asks for. */
   _Atomic uint64_t seq;
 } t3d_shm_info_t;
 _Static_assert(sizeof(t3d_shm_info_t) == 64, "an info line is one cache line");
