@@ -486,95 +486,102 @@ def _verdict(bad: list[str], checked: int, what: str) -> tuple[str, str]:
     return ("met", what) if not bad else ("not met", f"{len(bad)} of {checked} rows miss: " + "; ".join(bad))
 
 
-def targets(results: dict, n: int, B: float, cores: int, two_rank: dict | None = None) -> list[str]:
-    """Issue #5's targets, judged on this run's rows only (a target whose rows were not run says so). two_rank: the
-    results of a 2-rank run, for "small sizes no worse than 10x the 2-rank latency". Where a peer's own rows bear
-    on a target (its ratio to gloo), they are shown beside t3d's, as the yardstick of what this machine allows."""
-    rows = []
+def _line(target: str, verdict: tuple[str, str]) -> str:
+    return f"| {target} | {verdict[0]} | {verdict[1]} |"
 
-    def add(target, verdict_detail):
-        rows.append(f"| {target} | {verdict_detail[0]} | {verdict_detail[1]} |")
 
-    peers = [b for b in results if not b.startswith("_") and b != "t3d"]
-    if n == 2:
-        t3d_ar = _rows(results, "t3d", "all_reduce")
-        big = t3d_ar.get(64 << 20)
-        if big is None:
-            add("all_reduce 64 MiB >= 70% of bound", ("not measured", "run up to --max 64M"))
-            add("all_reduce 64 MiB >= 1.2x the best peer", ("not measured", "run up to --max 64M"))
+def _two_rank_targets(results: dict, B: float, peers: list[str]) -> list[str]:
+    """64 MiB all_reduce against its bound and the best peer; small all_reduce against torch's floor and the peers."""
+    out = []
+    t3d_ar = _rows(results, "t3d", "all_reduce")
+    big = t3d_ar.get(64 << 20)
+    if big is None:
+        out.append(_line("all_reduce 64 MiB >= 70% of bound", ("not measured", "run up to --max 64M")))
+        out.append(_line("all_reduce 64 MiB >= 1.2x the best peer", ("not measured", "run up to --max 64M")))
+    else:
+        pct = _pct_of_bound("all_reduce", 2, B, big)
+        out.append(_line("all_reduce 64 MiB >= 70% of bound", ("met" if pct >= 70 else "not met", f"{pct:.0f}%")))
+        theirs = {b: _rows(results, b, "all_reduce").get(64 << 20) for b in peers}
+        times = {b: r["time_us"] / big["time_us"] for b, r in theirs.items() if r is not None}
+        if not times:
+            out.append(_line("all_reduce 64 MiB >= 1.2x the best peer", ("not measured", "no peer ran")))
         else:
-            pct = _pct_of_bound("all_reduce", n, B, big)
-            add("all_reduce 64 MiB >= 70% of bound", ("met" if pct >= 70 else "not met", f"{pct:.0f}%"))
-            times = {b: _rows(results, b, "all_reduce").get(64 << 20) for b in peers}
-            times = {b: r["time_us"] / big["time_us"] for b, r in times.items() if r is not None}
-            if not times:
-                add("all_reduce 64 MiB >= 1.2x the best peer", ("not measured", "no peer ran"))
-            else:
-                best = min(times, key=times.get)
-                add("all_reduce 64 MiB >= 1.2x the best peer",
-                    ("met" if times[best] >= 1.2 else "not met", f"best peer {best}: {times[best]:.2f}x"))
-        small = {s: r for s, r in t3d_ar.items() if s <= SMALL_MAX}
-        added = {s: r["time_us"] - r["floor_us"] for s, r in sorted(small.items()) if "floor_us" in r}
-        bad = [f"{human(s)} {a:.1f} us" for s, a in added.items() if a > 5]
-        add("all_reduce 8 B-4 KiB: t3d - torch's dispatch floor <= 5 us",
-            _verdict(bad, len(added), f"{len(added)} rows, at most {max(added.values(), default=0):.1f} us"))
-        bad, checked = [], 0
-        for b in peers:
-            theirs = _rows(results, b, "all_reduce")
-            for s, r in sorted(small.items()):
-                if s in theirs:
-                    checked += 1
-                    if theirs[s]["time_us"] <= r["time_us"]:
-                        bad.append(f"{b} {human(s)} {theirs[s]['time_us']:.1f} us vs {r['time_us']:.1f} us")
-        floors = [r["floor_us"] for r in small.values() if "floor_us" in r]
-        verdict = _verdict(bad, checked, f"{checked} rows")
-        if bad and floors:  # a peer that is not called through torch.distributed skips the floor altogether
-            floor = f"{min(floors):.1f}-{max(floors):.1f} us"
-            verdict = (verdict[0], f"{verdict[1]} (torch's dispatch floor alone: {floor})")
-        add("all_reduce 8 B-4 KiB faster than every peer", verdict)
-    if n > cores:
-        bad, checked, peer_bad, peer_checked = [], 0, {}, {}
-        gloo = {op: _rows(results, "gloo", op) for op in OPS}
-        for op in OPS:
-            for s, r in sorted(_rows(results, "t3d", op).items()):
-                g = gloo[op].get(s)
-                if s < LARGE_MIN or g is None:
-                    continue
+            best = min(times, key=times.get)
+            out.append(_line("all_reduce 64 MiB >= 1.2x the best peer",
+                             ("met" if times[best] >= 1.2 else "not met", f"best peer {best}: {times[best]:.2f}x")))
+    small = {s: r for s, r in t3d_ar.items() if s <= SMALL_MAX}
+    added = {s: r["time_us"] - r["floor_us"] for s, r in sorted(small.items()) if "floor_us" in r}
+    bad = [f"{human(s)} {a:.1f} us" for s, a in added.items() if a > 5]
+    out.append(_line("all_reduce 8 B-4 KiB: t3d - torch's dispatch floor <= 5 us",
+                     _verdict(bad, len(added), f"{len(added)} rows, at most {max(added.values(), default=0):.1f} us")))
+    bad, checked = [], 0
+    for b in peers:
+        theirs = _rows(results, b, "all_reduce")
+        for s, r in sorted(small.items()):
+            if s in theirs:
                 checked += 1
-                if g["time_us"] < 5 * r["time_us"]:
-                    bad.append(f"{op} {human(s)} {g['time_us'] / r['time_us']:.2f}x")
-                for b in peers:
-                    o = _rows(results, b, op).get(s)
-                    if b != "gloo" and o is not None:
-                        peer_checked[b] = peer_checked.get(b, 0) + 1
-                        if g["time_us"] < 5 * o["time_us"]:
-                            miss = f"{op} {human(s)} {g['time_us'] / o['time_us']:.2f}x"
-                            peer_bad.setdefault(b, []).append(miss)
-        add(f"{n} ranks on {cores} cores: every op >= 5x gloo from 1 MiB", _verdict(bad, checked, f"{checked} rows"))
-        for b, cnt in peer_checked.items():
-            add(f"(yardstick) {b} on the same rows >= 5x gloo", _verdict(peer_bad.get(b, []), cnt, f"{cnt} rows"))
-        if two_rank is None:
-            add(f"{n} ranks: small sizes <= 10x the 2-rank time", ("not measured", "no 2-rank run beside this one"))
-        else:
-            two_ar = _rows(two_rank, "t3d", "all_reduce")
-            for b in ["t3d"] + [p for p in peers if p != "gloo"]:
-                bad, checked = [], 0
-                for op in OPS:
-                    theirs = _rows(two_rank, b, op)
-                    for s, r in sorted(_rows(results, b, op).items()):
-                        if s <= SMALL_MAX and s in theirs:
-                            checked += 1
-                            if r["time_us"] > 10 * theirs[s]["time_us"]:
-                                bad.append(f"{op} {human(s)} {r['time_us'] / theirs[s]['time_us']:.1f}x")
-                name = f"{n} ranks: small sizes <= 10x the 2-rank time"
-                verdict = _verdict(bad, checked, f"{checked} rows")
-                mine = _rows(results, "t3d", "all_reduce") if b == "t3d" else {}
-                ratios = [r["switch_floor_us"] / two_ar[s]["time_us"] for s, r in mine.items()
-                          if "switch_floor_us" in r and s in two_ar]
-                if ratios:
-                    verdict = (verdict[0], f"{verdict[1]}; torch's no-op backend with one switch per call alone takes "
-                               f"{min(ratios):.1f}-{max(ratios):.1f}x t3d's 2-rank all_reduce time")
-                add(name if b == "t3d" else f"(yardstick) {b}: {name}", verdict)
+                if theirs[s]["time_us"] <= r["time_us"]:
+                    bad.append(f"{b} {human(s)} {theirs[s]['time_us']:.1f} us vs {r['time_us']:.1f} us")
+    floors = [r["floor_us"] for r in small.values() if "floor_us" in r]
+    verdict = _verdict(bad, checked, f"{checked} rows")
+    if bad and floors:  # a peer that is not called through torch.distributed skips the floor altogether
+        floor = f"{min(floors):.1f}-{max(floors):.1f} us"
+        verdict = (verdict[0], f"{verdict[1]} (torch's dispatch floor alone: {floor})")
+    out.append(_line("all_reduce 8 B-4 KiB faster than every peer", verdict))
+    return out
+
+
+def _gloo_times_targets(results: dict, n: int, cores: int, peers: list[str]) -> list[str]:
+    """Every op at least 5x gloo from 1 MiB: t3d's rows, then each other peer's by the same rule."""
+    gloo = {op: _rows(results, "gloo", op) for op in OPS}
+    out = []
+    for b in ["t3d"] + [p for p in peers if p != "gloo"]:
+        bad, checked = [], 0
+        for op in OPS:
+            for s, r in sorted(_rows(results, b, op).items()):
+                g = gloo[op].get(s)
+                if s >= LARGE_MIN and g is not None:
+                    checked += 1
+                    if g["time_us"] < 5 * r["time_us"]:
+                        bad.append(f"{op} {human(s)} {g['time_us'] / r['time_us']:.2f}x")
+        if b == "t3d":
+            out.append(_line(f"{n} ranks on {cores} cores: every op >= 5x gloo from 1 MiB",
+                             _verdict(bad, checked, f"{checked} rows")))
+        elif checked:
+            out.append(_line(f"(yardstick) {b} on the same rows >= 5x gloo", _verdict(bad, checked, f"{checked} rows")))
+    return out
+
+
+def _ten_times_targets(results: dict, n: int, peers: list[str], two_rank: dict | None) -> list[str]:
+    """Small sizes no worse than 10x the 2-rank time, for t3d and each peer other than gloo, with the switch floor."""
+    name = f"{n} ranks: small sizes <= 10x the 2-rank time"
+    if two_rank is None:
+        return [_line(name, ("not measured", "no 2-rank run beside this one"))]
+    out = []
+    for b in ["t3d"] + [p for p in peers if p != "gloo"]:
+        bad, checked = [], 0
+        for op in OPS:
+            theirs = _rows(two_rank, b, op)
+            for s, r in sorted(_rows(results, b, op).items()):
+                if s <= SMALL_MAX and s in theirs:
+                    checked += 1
+                    if r["time_us"] > 10 * theirs[s]["time_us"]:
+                        bad.append(f"{op} {human(s)} {r['time_us'] / theirs[s]['time_us']:.1f}x")
+        verdict = _verdict(bad, checked, f"{checked} rows")
+        if b != "t3d":
+            out.append(_line(f"(yardstick) {b}: {name}", verdict))
+            continue
+        two_ar = _rows(two_rank, "t3d", "all_reduce")
+        ratios = [r["switch_floor_us"] / two_ar[s]["time_us"] for s, r in _rows(results, "t3d", "all_reduce").items()
+                  if "switch_floor_us" in r and s in two_ar]
+        if ratios:
+            verdict = (verdict[0], f"{verdict[1]}; torch's no-op backend with one switch per call alone takes "
+                       f"{min(ratios):.1f}-{max(ratios):.1f}x t3d's 2-rank all_reduce time")
+        out.append(_line(name, verdict))
+    return out
+
+
+def _bound_targets(results: dict, n: int, B: float) -> list[str]:
     bad, checked = [], 0
     for op in ("all_gather", "reduce_scatter", "all_to_all", "broadcast"):
         for s, r in sorted(_rows(results, "t3d", op).items()):
@@ -582,8 +589,22 @@ def targets(results: dict, n: int, B: float, cores: int, two_rank: dict | None =
                 checked += 1
                 if _pct_of_bound(op, n, B, r) < 70:
                     bad.append(f"{op} {human(s)} {_pct_of_bound(op, n, B, r):.0f}%")
-    add("all_gather, reduce_scatter, all_to_all, broadcast >= 70% of their bounds from 1 MiB",
-        _verdict(bad, checked, f"{checked} rows"))
+    return [_line("all_gather, reduce_scatter, all_to_all, broadcast >= 70% of their bounds from 1 MiB",
+                  _verdict(bad, checked, f"{checked} rows"))]
+
+
+def targets(results: dict, n: int, B: float, cores: int, two_rank: dict | None = None) -> list[str]:
+    """Issue #5's targets, judged on this run's rows only (a target whose rows were not run says so). two_rank: the
+    results of a 2-rank run, for "small sizes no worse than 10x the 2-rank latency". Where a peer's own rows bear
+    on a target (its ratio to gloo, its own 2-rank time), they are judged by the same rule beside t3d's, as the
+    yardstick of what this machine allows."""
+    peers = [b for b in results if not b.startswith("_") and b != "t3d"]
+    rows = []
+    if n == 2:
+        rows += _two_rank_targets(results, B, peers)
+    if n > cores:
+        rows += _gloo_times_targets(results, n, cores, peers) + _ten_times_targets(results, n, peers, two_rank)
+    rows += _bound_targets(results, n, B)
     return ["", "## Issue #5's targets in this run", "",
             "Judged from the rows above (C-level targets: `t3d_bench_c`). 'yardstick' rows apply a target to a peer.",
             "", "| target | verdict | detail |", "|---|---|---|"] + rows
