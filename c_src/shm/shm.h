@@ -59,7 +59,7 @@ typedef struct t3d_shm_info {
 _Static_assert(sizeof(t3d_shm_info_t) == 64, "an info line is one cache line");
 /* A one-shot allreduce / reduce of at most this many bytes writes its vector into the info line in place of aux,
  * addr, pid and spare (shm_coll.c). */
-#define T3D_SHM_INLINE_DATA (64 - 3 * sizeof(uint64_t))
+#define T3D_SHM_INLINE_DATA (offsetof(t3d_shm_info_t, seq) - offsetof(t3d_shm_info_t, aux))
 
 struct t3d_shm {
   char *base;
@@ -120,7 +120,7 @@ static inline t3d_shm_info_t *t3d__shm_info(const t3d_shm_t *s, int p, int h) {
   return (t3d_shm_info_t *)(void *)(s->ctrl + (size_t)p * T3D_SHM_CTRL_STRIDE + T3D_SHM_INFO_OFFSET + 64 * h);
 }
 static inline char *t3d__shm_inline_data(const t3d_shm_t *s, int p, int h) {
-  return (char *)t3d__shm_info(s, p, h) + 2 * sizeof(uint64_t);
+  return (char *)t3d__shm_info(s, p, h) + offsetof(t3d_shm_info_t, aux);
 }
 /* h 0 and 1: the halves; 2 + j: small slot j (t3d__shm_step_begin_small). */
 static inline char *t3d__shm_half(const t3d_shm_t *s, int p, int h) {
