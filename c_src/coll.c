@@ -83,22 +83,15 @@ static t3d_result_t copy_arrays(t3d_request_t *r, const size_t *a, const size_t 
 static t3d_result_t issue(t3d_comm_t *comm, t3d_op_kind_t kind, const t3d_opts_t *opts, const void *sendbuf,
                           void *recvbuf, size_t count, t3d_dtype_t dtype, t3d_redop_t op, int root,
                           t3d_request_t **req) {
-  t3d_request_t *r;
-  T3D_CHECK(t3d__request_new(comm, kind, opts, &r));
-  r->sendbuf = sendbuf;
-  r->recvbuf = recvbuf;
-  r->count = count;
-  r->dtype = dtype;
-  r->op = op;
-  r->root = root;
-  return t3d__submit(comm, r, req);
-}
-
-/* Frees a request that never reached the engine (both references). */
-static t3d_result_t drop(t3d_request_t *r, t3d_result_t res) {
-  t3d__request_release(r);
-  t3d__request_release(r);
-  return res;
+  t3d_request_t r;
+  t3d__request_prepare(comm, kind, opts, &r);
+  r.sendbuf = sendbuf;
+  r.recvbuf = recvbuf;
+  r.count = count;
+  r.dtype = dtype;
+  r.op = op;
+  r.root = root;
+  return t3d__submit_prepared(comm, &r, req);
 }
 
 /* ---------- entry points ---------- */
@@ -152,15 +145,15 @@ t3d_result_t t3d_allgatherv(t3d_comm_t *comm, const void *sendbuf, size_t sendco
     if (displs[p] + recvcounts[p] > total) total = displs[p] + recvcounts[p];
   }
   T3D_CHECK(check_buf(comm, fn, "recvbuf", recvbuf, total, dtype));
-  t3d_request_t *r;
-  T3D_CHECK(t3d__request_new(comm, T3D_OP_ALLGATHERV, opts, &r));
+  t3d_request_t rq, *r = &rq;
+  t3d__request_prepare(comm, T3D_OP_ALLGATHERV, opts, r);
   r->sendbuf = sendbuf;
   r->recvbuf = recvbuf;
   r->count = sendcount;
   r->dtype = dtype;
   t3d_result_t res = copy_arrays(r, NULL, NULL, recvcounts, displs);
-  if (res != T3D_OK) return drop(r, res);
-  return t3d__submit(comm, r, req);
+  if (res != T3D_OK) return res;
+  return t3d__submit_prepared(comm, r, req);
 }
 
 /* Equal-count forms build their count and displacement arrays and share the v-form's path. */
@@ -218,16 +211,16 @@ t3d_result_t t3d_reduce_scatterv(t3d_comm_t *comm, const void *sendbuf, void *re
   for (int p = 0; p < comm->size; p++) total += recvcounts[p];
   T3D_CHECK(check_buf(comm, fn, "sendbuf", sendbuf, total, dtype));
   T3D_CHECK(check_buf(comm, fn, "recvbuf", recvbuf, recvcounts[comm->rank], dtype));
-  t3d_request_t *r;
-  T3D_CHECK(t3d__request_new(comm, T3D_OP_REDUCE_SCATTERV, opts, &r));
+  t3d_request_t rq, *r = &rq;
+  t3d__request_prepare(comm, T3D_OP_REDUCE_SCATTERV, opts, r);
   r->sendbuf = sendbuf;
   r->recvbuf = recvbuf;
   r->count = total;
   r->dtype = dtype;
   r->op = op;
   t3d_result_t res = copy_arrays(r, NULL, NULL, recvcounts, NULL);
-  if (res != T3D_OK) return drop(r, res);
-  return t3d__submit(comm, r, req);
+  if (res != T3D_OK) return res;
+  return t3d__submit_prepared(comm, r, req);
 }
 
 t3d_result_t t3d_reduce_scatter(t3d_comm_t *comm, const void *sendbuf, void *recvbuf, size_t recvcount,
@@ -258,15 +251,15 @@ static t3d_result_t alltoallv(t3d_comm_t *comm, const char *fn, const void *send
   }
   T3D_CHECK(check_buf(comm, fn, "sendbuf", sendbuf, send_extent, dtype));
   T3D_CHECK(check_buf(comm, fn, "recvbuf", recvbuf, recv_extent, dtype));
-  t3d_request_t *r;
-  T3D_CHECK(t3d__request_new(comm, T3D_OP_ALLTOALLV, opts, &r));
+  t3d_request_t rq, *r = &rq;
+  t3d__request_prepare(comm, T3D_OP_ALLTOALLV, opts, r);
   r->sendbuf = sendbuf;
   r->recvbuf = recvbuf;
   r->dtype = dtype;
   r->equal_blocks = equal;
   t3d_result_t res = copy_arrays(r, sendcounts, sdispls, recvcounts, rdispls);
-  if (res != T3D_OK) return drop(r, res);
-  return t3d__submit(comm, r, req);
+  if (res != T3D_OK) return res;
+  return t3d__submit_prepared(comm, r, req);
 }
 
 t3d_result_t t3d_alltoallv(t3d_comm_t *comm, const void *sendbuf, const size_t *sendcounts, const size_t *sdispls,

@@ -119,15 +119,14 @@ int t3d__oversubscribed(void) { return atomic_load(&oversubscribed); }
 
 void t3d__backoff_reset(t3d_backoff_t *b) { b->since = 0; }
 
-int t3d__backoff_poll(t3d_backoff_t *b) { return t3d_backoff_poll(&b->since); }
-
-int t3d_backoff_poll(uint64_t *since) {
+/* One poll: pause-spin while idle < spin (setting *spun), then yield, then 1. */
+static int backoff_step(uint64_t *since, uint64_t spin, int *spun) {
   uint64_t now = t3d__now_ns();
   if (*since == 0) *since = now;
   uint64_t idle = now - *since;
-  uint64_t spin = (uint64_t)budget(&spin_ns, "T3D_SPIN_NS", 5000);
   if (idle < spin) {
     for (int i = 0; i < 8; i++) __builtin_ia32_pause();
+    if (spun != NULL) *spun = 1;
     return 0;
   }
   if (idle < spin + (uint64_t)budget(&yield_ns, "T3D_YIELD_NS", 2000000)) {
@@ -137,11 +136,22 @@ int t3d_backoff_poll(uint64_t *since) {
   return 1;
 }
 
+int t3d__backoff_poll(t3d_backoff_t *b) {
+  b->spun = 0;
+  return backoff_step(&b->since, (uint64_t)budget(&spin_ns, "T3D_SPIN_NS", 5000), &b->spun);
+}
+
+int t3d_backoff_poll(uint64_t *since) {
+  return backoff_step(since, (uint64_t)budget(&spin_ns, "T3D_SPIN_NS", 5000), NULL);
+}
+
 int t3d__backoff_poll_running(t3d_backoff_t *b) {
+  b->spun = 0;
   uint64_t now = t3d__now_ns();
   if (b->since == 0) b->since = now;
   if (now - b->since < (uint64_t)budget(&running_spin_ns, "T3D_SPIN_NS", 5000)) {
     for (int i = 0; i < 8; i++) __builtin_ia32_pause();
+    b->spun = 1;
     return 0;
   }
   return t3d__backoff_poll(b);
@@ -158,15 +168,12 @@ void t3d__backoff_wait(t3d_backoff_t *b) {
 
 /* ---------- requests ---------- */
 
-t3d_result_t t3d__request_new(t3d_comm_t *comm, t3d_op_kind_t kind, const t3d_opts_t *opts, t3d_request_t **out) {
-  t3d_request_t *r = calloc(1, sizeof *r);
-  if (r == NULL) return t3d__set_error(comm, T3D_ERR_NO_MEMORY, "t3d: out of memory for a request");
+void t3d__request_prepare(t3d_comm_t *comm, t3d_op_kind_t kind, const t3d_opts_t *opts, t3d_request_t *r) {
+  memset(r, 0, sizeof *r);
   r->comm = comm;
   r->kind = kind;
   atomic_init(&r->done, 0);
   atomic_init(&r->refs, 2);
-  pthread_mutex_init(&r->mu, NULL);
-  pthread_cond_init(&r->cv, NULL);
   r->timeout_ms = (opts != NULL && opts->timeout_ms > 0) ? opts->timeout_ms : comm->timeout_ms;
   r->scalar = opts != NULL ? opts->premul_scalar : 1.0;
   r->flags = opts != NULL ? opts->flags : 0u;
@@ -177,9 +184,30 @@ t3d_result_t t3d__request_new(t3d_comm_t *comm, t3d_op_kind_t kind, const t3d_op
     r->stream = opts->stream;
   }
   r->source = -1;
-  *out = r;
+}
+
+/* A heap copy of a prepared request, with its mutex and condition variable; NULL when out of memory. */
+static t3d_request_t *request_keep(const t3d_request_t *prepared) {
+  t3d_request_t *r = malloc(sizeof *r);
+  if (r == NULL) return NULL;
+  memcpy(r, prepared, sizeof *r);
+  pthread_mutex_init(&r->mu, NULL);
+  pthread_cond_init(&r->cv, NULL);
+  return r;
+}
+
+t3d_result_t t3d__request_new(t3d_comm_t *comm, t3d_op_kind_t kind, const t3d_opts_t *opts, t3d_request_t **out) {
+  t3d_request_t tmp;
+  t3d__request_prepare(comm, kind, opts, &tmp);
+  *out = request_keep(&tmp);
+  if (*out == NULL) return t3d__set_error(comm, T3D_ERR_NO_MEMORY, "t3d: out of memory for a request");
   return T3D_OK;
 }
+
+/* What every collective that finished on the caller's thread without error hands out (t3d__submit_prepared): done,
+ * T3D_OK, never freed. One for all, so that such a call allocates nothing. */
+static t3d_request_t done_ok = {.done = 1, .refs = 1, .result = T3D_OK, .mu = PTHREAD_MUTEX_INITIALIZER,
+                                .cv = PTHREAD_COND_INITIALIZER, .source = -1};
 
 static void request_destroy(t3d_request_t *r) {
   pthread_mutex_destroy(&r->mu);
@@ -194,7 +222,7 @@ void t3d__request_release(t3d_request_t *r) {
 }
 
 void t3d_request_free(t3d_request_t *req) {
-  if (req != NULL) t3d__request_release(req);
+  if (req != NULL && req != &done_ok) t3d__request_release(req);
 }
 
 static void complete(t3d_request_t *r, t3d_result_t res, const char *msg) {
@@ -225,6 +253,16 @@ static void complete(t3d_request_t *r, t3d_result_t res, const char *msg) {
 }
 
 void t3d__request_complete(t3d_request_t *req, t3d_result_t res, const char *msg) { complete(req, res, msg); }
+
+/* complete() for a request that finished on the caller's thread before the call handed it out: nobody can wait on
+ * it, have set a callback, or hold it as a child yet, so the mutex, the broadcast and the atomic read-modify-writes
+ * go (each locked instruction would also wait for the stores just made to leave this core). */
+static void complete_fresh(t3d_request_t *r, t3d_result_t res, const char *msg) {
+  r->result = res;
+  if (res < 0 && msg != NULL && msg[0] != '\0') r->errmsg = strdup(msg);
+  atomic_store_explicit(&r->done, 1, memory_order_relaxed);
+  atomic_store_explicit(&r->refs, 1, memory_order_relaxed); /* the engine's reference, dropped */
+}
 
 /* Point-to-point over shared memory progresses only when someone runs a pass: a waiter does. */
 static int drive(t3d_request_t *req) {
@@ -318,7 +356,7 @@ static void enqueue(t3d_comm_t *comm, t3d_request_t *r) {
 
 static int is_collective(t3d_op_kind_t k) { return k != T3D_OP_SEND && k != T3D_OP_RECV && k != T3D_OP_GROUP; }
 
-static void start_inline(t3d_comm_t *comm, t3d_request_t *r);
+static t3d_result_t start_inline(t3d_comm_t *comm, t3d_request_t *r, int kept, t3d_request_t **out);
 
 /* Ends the engine's busy state. Requests queued meanwhile waited for it: wake the progress thread. */
 static void release_engine(t3d_comm_t *comm) {
@@ -364,12 +402,30 @@ t3d_result_t t3d__submit(t3d_comm_t *comm, t3d_request_t *r, t3d_request_t **out
   if (coll && comm->q_head == NULL && !comm->busy && t3d__inline_eligible(comm, r)) {
     comm->busy = 1;
     pthread_mutex_unlock(&comm->mu);
-    start_inline(comm, r);
-    return T3D_OK;
+    return start_inline(comm, r, 1, out);
   }
   pthread_mutex_unlock(&comm->mu);
   enqueue(comm, r);
   return T3D_OK;
+}
+
+t3d_result_t t3d__submit_prepared(t3d_comm_t *comm, t3d_request_t *tmp, t3d_request_t **out) {
+  if (comm->shm != NULL && is_collective(tmp->kind) && tmp->memtype == T3D_MEM_HOST) {
+    pthread_mutex_lock(&comm->mu);
+    if (comm->group_depth == 0 && comm->q_head == NULL && !comm->busy && t3d__inline_eligible(comm, tmp)) {
+      tmp->seq = ++comm->coll_seq;
+      comm->busy = 1;
+      pthread_mutex_unlock(&comm->mu);
+      return start_inline(comm, tmp, 0, out);
+    }
+    pthread_mutex_unlock(&comm->mu);
+  }
+  t3d_request_t *r = request_keep(tmp);
+  if (r == NULL) {
+    free(tmp->arrays);
+    return t3d__set_error(comm, T3D_ERR_NO_MEMORY, "t3d: out of memory for a request");
+  }
+  return t3d__submit(comm, r, out);
 }
 
 t3d_result_t t3d_group_start(t3d_comm_t *comm) {
@@ -657,23 +713,31 @@ static void init_exec(t3d_comm_t *comm, t3d_request_t *r, t3d_exec_t *ex) {
 
 /* Records the outcome of a collective and completes it. release: end the engine's busy state first, so that whoever
  * sees r done finds the engine idle. */
-static void end_collective(t3d_comm_t *comm, t3d_request_t *r, t3d_exec_t *ex, t3d_result_t res, int release) {
-  if (res < 0) {
-    if (ex->error[0] == '\0') {
-      snprintf(ex->error, sizeof ex->error, "t3d: %s #%llu on group '%s' (rank %d of %d) failed: %s", ex->opname,
-               (unsigned long long)ex->seq, comm->name, comm->rank, comm->size, t3d_result_string(res));
-    }
-    /* A collective that failed half-way leaves peers out of step: nothing later on this communicator can be
-     * trusted, so it fails fast (as NCCL does) instead of mismatching messages. */
-    if (res == T3D_ERR_TIMEOUT || res == T3D_ERR_PEER_LOST || res == T3D_ERR_ABORTED || res == T3D_ERR_MISMATCH ||
-        res == T3D_ERR_TRANSPORT) {
-      t3d__fail_comm(comm, res, ex->error);
-    } else {
-      t3d__set_error(comm, res, "%s", ex->error);
-    }
+/* Writes a failed collective's error (ex->error, filled in if empty) to the communicator; errors that leave peers
+ * out of step break it. */
+static void record_failure(t3d_comm_t *comm, t3d_exec_t *ex, t3d_result_t res) {
+  if (ex->error[0] == '\0') {
+    snprintf(ex->error, sizeof ex->error, "t3d: %s #%llu on group '%s' (rank %d of %d) failed: %s", ex->opname,
+             (unsigned long long)ex->seq, comm->name, comm->rank, comm->size, t3d_result_string(res));
   }
+  /* A collective that failed half-way leaves peers out of step: nothing later on this communicator can be
+   * trusted, so it fails fast (as NCCL does) instead of mismatching messages. */
+  if (res == T3D_ERR_TIMEOUT || res == T3D_ERR_PEER_LOST || res == T3D_ERR_ABORTED || res == T3D_ERR_MISMATCH ||
+      res == T3D_ERR_TRANSPORT) {
+    t3d__fail_comm(comm, res, ex->error);
+  } else {
+    t3d__set_error(comm, res, "%s", ex->error);
+  }
+}
+
+/* Records the outcome of a collective and completes it. release: end the engine's busy state first, so that whoever
+ * sees r done finds the engine idle. fresh: r finished on the caller's thread and was not handed out yet. */
+static void end_collective(t3d_comm_t *comm, t3d_request_t *r, t3d_exec_t *ex, t3d_result_t res, int release,
+                           int fresh) {
+  if (res < 0) record_failure(comm, ex, res);
   if (release) release_engine(comm);
-  complete(r, res, ex->error);
+  if (fresh) complete_fresh(r, res, ex->error);
+  else complete(r, res, ex->error);
 }
 
 static void run_collective(t3d_comm_t *comm, t3d_request_t *r, int release) {
@@ -689,20 +753,49 @@ static void run_collective(t3d_comm_t *comm, t3d_request_t *r, int release) {
   }
   t3d_exec_t ex;
   init_exec(comm, r, &ex);
-  end_collective(comm, r, &ex, t3d__execute(&ex, r), release);
+  end_collective(comm, r, &ex, t3d__execute(&ex, r), release, 0);
 }
 
 /* On the caller's thread, with the engine marked busy. When peers are late the request goes to the head of the
  * queue (ahead of anything other threads queued meanwhile: it was issued first) and the progress thread finishes
  * it, so the call never waits for long. */
-static void start_inline(t3d_comm_t *comm, t3d_request_t *r) {
+/* A prepared request that start_inline could not keep (no memory): the call finishes here, waiting for late peers,
+ * and reports through its return value. */
+static t3d_result_t finish_unkept(t3d_comm_t *comm, t3d_exec_t *ex, t3d_request_t *r, t3d_result_t res,
+                                  t3d_request_t **out) {
+  if (res == T3D_IN_PROGRESS) res = t3d__execute(ex, r); /* r->resume is set: finishes the started operation */
+  if (res < 0) record_failure(comm, ex, res);
+  release_engine(comm);
+  free(r->arrays);
+  if (res < 0) return res;
+  *out = &done_ok;
+  return T3D_OK;
+}
+
+/* On the caller's thread, with the engine marked busy. r is on the heap (kept) or prepared on the caller's stack;
+ * the latter, finished without error, hands out done_ok, and is kept only when it failed or goes on. When peers are
+ * late the request goes to the head of the queue (ahead of anything other threads queued meanwhile: it was issued
+ * first) and the progress thread finishes it, so the call never waits for long. */
+static t3d_result_t start_inline(t3d_comm_t *comm, t3d_request_t *r, int kept, t3d_request_t **out) {
   t3d_exec_t ex;
   init_exec(comm, r, &ex);
   r->deadline_ns = ex.deadline_ns;
   t3d_result_t res = t3d__execute_start(&ex, r);
+  if (!kept) {
+    if (res == T3D_OK) {
+      release_engine(comm);
+      free(r->arrays);
+      *out = &done_ok;
+      return T3D_OK;
+    }
+    t3d_request_t *k = request_keep(r);
+    if (k == NULL) return finish_unkept(comm, &ex, r, res, out);
+    r = k;
+  }
+  *out = r;
   if (res != T3D_IN_PROGRESS) {
-    end_collective(comm, r, &ex, res, 1);
-    return;
+    end_collective(comm, r, &ex, res, 1, 1);
+    return T3D_OK;
   }
   pthread_mutex_lock(&comm->mu);
   r->next = comm->q_head;
@@ -711,6 +804,7 @@ static void start_inline(t3d_comm_t *comm, t3d_request_t *r) {
   comm->busy = 0;
   pthread_cond_signal(&comm->cv);
   pthread_mutex_unlock(&comm->mu);
+  return T3D_OK;
 }
 
 static void run_request(t3d_comm_t *comm, t3d_request_t *r) {

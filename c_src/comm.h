@@ -131,8 +131,15 @@ const char *t3d__op_name(t3d_op_kind_t kind);
 /* Engine (comm.c), used by the front end (coll.c). */
 t3d_result_t t3d__request_new(t3d_comm_t *comm, t3d_op_kind_t kind, const t3d_opts_t *opts, t3d_request_t **req);
 void t3d__request_release(t3d_request_t *req);
+/* Fills *req (on the caller's stack) as t3d__request_new would, without its mutex and condition variable: for
+ * t3d__submit_prepared. */
+void t3d__request_prepare(t3d_comm_t *comm, t3d_op_kind_t kind, const t3d_opts_t *opts, t3d_request_t *req);
 /* Queues req (or holds it in the open group) and hands the user's reference back through out. */
 t3d_result_t t3d__submit(t3d_comm_t *comm, t3d_request_t *req, t3d_request_t **out);
+/* t3d__submit for a prepared request, which it owns from here (also req->arrays): a small collective that finishes
+ * on the caller's thread without error hands out a shared done request and allocates nothing; otherwise req is
+ * copied to the heap and goes on as with t3d__submit. */
+t3d_result_t t3d__submit_prepared(t3d_comm_t *comm, t3d_request_t *req, t3d_request_t **out);
 /* Runs one collective on the progress thread (coll.c). */
 /* Finishes an inline one when req->resume is set. */
 t3d_result_t t3d__execute(t3d_exec_t *ex, t3d_request_t *req);

@@ -136,6 +136,7 @@ t3d_result_t t3d__sendrecv(t3d_exec_t *ex, uint32_t step, int dst, const void *s
  * the operation on abort or deadline, writing ex->error with `waiting_for` (e.g. "rank(s) 2, 3"). */
 typedef struct t3d_backoff {
   uint64_t since; /* 0: progress just happened */
+  int spun;       /* the last poll was in the spin phase: a caller may poll its word again at once */
 } t3d_backoff_t;
 void t3d__backoff_reset(t3d_backoff_t *b);
 /* Tells the backoff how many ranks of one communicator share this host (as many as cores or more: no spinning;

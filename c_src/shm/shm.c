@@ -365,11 +365,13 @@ static void step_begin(t3d_shm_t *s, int nphases, int h, uint64_t *free_at, t3d_
 }
 
 void t3d__shm_step_begin(t3d_shm_t *s, int nphases, t3d_shm_step_t *st) {
+  t3d__shm_settle(s);
   int h = (int)(s->step++ & 1);
   step_begin(s, nphases, h, &s->free_at[h], st);
 }
 
 void t3d__shm_step_begin_small(t3d_shm_t *s, int nphases, t3d_shm_step_t *st) {
+  t3d__shm_settle(s);
   int j = (int)(s->small_steps++ % T3D_SHM_SMALL_SLOTS);
   step_begin(s, nphases, 2 + j, &s->free_small[j], st);
 }
@@ -399,6 +401,7 @@ void t3d__shm_wake(t3d_shm_t *s) {
 
 void t3d__shm_sleep(t3d_shm_t *s, int p, uint64_t target, uint64_t max_ns) {
   _Atomic uint32_t *sleepers = t3d__shm_sleepers(s, p);
+  t3d__shm_settle(s);
   if (s->cpu_aware) atomic_store_explicit(t3d__shm_cpu(s, s->rank), 0u, memory_order_relaxed);
   atomic_fetch_add_explicit(sleepers, 1, memory_order_seq_cst);
   uint64_t v = atomic_load_explicit(t3d__shm_flag(s, p), memory_order_seq_cst);
@@ -460,9 +463,14 @@ int t3d__shm_arrived_by_line(t3d_shm_t *s, int p, const t3d_shm_arrival_t *a) {
   return all;
 }
 
-/* Whether rank p has reached target: its flag, or what `a` names. */
-static int arrived(t3d_shm_t *s, int p, uint64_t target, const t3d_shm_arrival_t *a) {
-  if (a != NULL && a->h >= 0 && t3d__shm_arrived_by_line(s, p, a)) return 1;
+/* Whether rank p has reached target: what `a` names, or its flag. With a line to watch, the flag is read only
+ * when `flag_too` (its fallback: a peer that posts without writing the line, e.g. one that runs another operation):
+ * every read of the flag's line is one more line the peer must take back when it next posts. */
+static int arrived(t3d_shm_t *s, int p, uint64_t target, const t3d_shm_arrival_t *a, int flag_too) {
+  if (a != NULL && a->h >= 0) {
+    if (t3d__shm_arrived_by_line(s, p, a)) return 1;
+    if (!flag_too) return 0;
+  }
   return atomic_load_explicit(t3d__shm_flag(s, p), memory_order_acquire) >= target;
 }
 
@@ -477,13 +485,16 @@ t3d_result_t t3d__shm_wait_line(t3d_shm_t *s, t3d_exec_t *ex, int who, uint64_t 
   t3d_backoff_t b = {0};
   for (unsigned it = 1;; it++) {
     int before = next;
-    while (next < hi && (next == s->rank || arrived(s, next, target, a))) next++;
+    while (next < hi && (next == s->rank || arrived(s, next, target, a, (it & 15) == 0))) next++;
     if (next == hi) break;
     if (next != before) t3d__backoff_reset(&b);
     if ((it & 15) == 0 && t3d__exec_check(ex, "") != T3D_OK) return fail_wait(s, ex, lo, hi, target);
     /* Every 8th round: a clock read costs a fair share of a sub-microsecond collective. */
     if (until != 0 && (it & 7) == 0 && t3d__now_ns() >= until) return T3D_IN_PROGRESS;
     t3d__shm_backoff(s, &b, next, target, until);
+    /* In the spin phase, watch the awaited rank in a tight loop before the next round: a round (clock read, CPU
+     * check, point-to-point pass, 8 pauses) takes ~150 ns, which a sub-microsecond collective would wait out. */
+    for (int k = 0; b.spun && k < 32 && !arrived(s, next, target, a, 0); k++) __builtin_ia32_pause();
   }
   if (who < 0 && target > s->seen_all) s->seen_all = target;
   return T3D_OK;

@@ -97,6 +97,7 @@ struct t3d_shm {
   uint64_t *raddr;    /* scratch: alltoallv, where each peer's block for this rank is, in its process */
   int *rpid;          /* scratch: each peer's process */
   char name[64];
+  int wake_pending; /* a t3d__shm_post_lazy has not checked for sleepers yet (t3d__shm_settle) */
 };
 
 static inline _Atomic uint64_t *t3d__shm_flag(const t3d_shm_t *s, int p) {
@@ -114,7 +115,10 @@ static inline _Atomic uint32_t *t3d__shm_cpu(const t3d_shm_t *s, int p) {
   return (_Atomic uint32_t *)(void *)(s->ctrl + (size_t)p * T3D_SHM_CTRL_STRIDE + T3D_SHM_CPU_OFFSET);
 }
 static inline void t3d__shm_note_cpu(t3d_shm_t *s) {
-  if (s->cpu_aware) atomic_store_explicit(t3d__shm_cpu(s, s->rank), (uint32_t)sched_getcpu() + 1u, memory_order_relaxed);
+  if (!s->cpu_aware) return;
+  _Atomic uint32_t *c = t3d__shm_cpu(s, s->rank);
+  uint32_t v = (uint32_t)sched_getcpu() + 1u;
+  if (atomic_load_explicit(c, memory_order_relaxed) != v) atomic_store_explicit(c, v, memory_order_relaxed);
 }
 static inline t3d_shm_info_t *t3d__shm_info(const t3d_shm_t *s, int p, int h) {
   return (t3d_shm_info_t *)(void *)(s->ctrl + (size_t)p * T3D_SHM_CTRL_STRIDE + T3D_SHM_INFO_OFFSET + 64 * h);
@@ -154,6 +158,21 @@ void t3d__shm_wake(t3d_shm_t *s);
 static inline void t3d__shm_post(t3d_shm_t *s, uint64_t value) {
   t3d__shm_note_cpu(s);
   atomic_store_explicit(t3d__shm_flag(s, s->rank), value, memory_order_seq_cst);
+  if (atomic_load_explicit(t3d__shm_sleepers(s, s->rank), memory_order_seq_cst) != 0) t3d__shm_wake(s);
+  s->wake_pending = 0;
+}
+/* t3d__shm_post without the fence: the store leaves at once and the caller goes on while it drains, instead of
+ * stalling on it (a cross-core line transfer, a fair share of a sub-microsecond collective). The check for sleepers
+ * that the fence orders is left to t3d__shm_settle, which this rank runs at its next step and before it blocks. */
+static inline void t3d__shm_post_lazy(t3d_shm_t *s, uint64_t value) {
+  t3d__shm_note_cpu(s);
+  atomic_store_explicit(t3d__shm_flag(s, s->rank), value, memory_order_release);
+  s->wake_pending = 1;
+}
+static inline void t3d__shm_settle(t3d_shm_t *s) {
+  if (!s->wake_pending) return;
+  s->wake_pending = 0;
+  atomic_thread_fence(memory_order_seq_cst);
   if (atomic_load_explicit(t3d__shm_sleepers(s, s->rank), memory_order_seq_cst) != 0) t3d__shm_wake(s);
 }
 /* Blocks (futex) until rank p posts a value other than the one its flag holds now, unless that value is already

@@ -125,7 +125,9 @@ static t3d_result_t oneshot_publish(t3d_shm_t *s, t3d_exec_t *ex, const void *se
     }
   }
   /* A non-root of a reduce has nothing to read: it is done with the step. */
-  t3d__shm_post(s, root >= 0 && root != s->rank ? st->base + 2 : st->base + 1);
+  uint64_t posted = root >= 0 && root != s->rank ? st->base + 2 : st->base + 1;
+  if (mode == ONESHOT_HALF) t3d__shm_post(s, posted);
+  else t3d__shm_post_lazy(s, posted);
   if (root == s->rank || mode == ONESHOT_HALF) return T3D_OK;
   if (mode == ONESHOT_INLINE) {
     atomic_store_explicit(&t3d__shm_info(s, s->rank, st->h)->seq, st->base + 1, memory_order_release);
@@ -163,7 +165,7 @@ static t3d_result_t oneshot_fold(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_ste
       t3d__shm_reduce_n((char *)recvbuf + off, NULL, s->srcs, n, elems, dt, op, 0);
     }
   }
-  t3d__shm_post(s, st->base + 2);
+  t3d__shm_post_lazy(s, st->base + 2);
   return T3D_OK;
 }
 

@@ -504,6 +504,71 @@ INSTANTIATE_TEST_SUITE_P(World, Shm,
                                            Param{8, false, true}),
                          ParamName);
 
+// ---------- requests of inline collectives ----------
+
+// Small collectives that finish on the caller's thread hand out one shared, finished request (t3d__submit_prepared):
+// each behaves as a request of its own: done, T3D_OK, no error text, a callback runs at once, and freeing it (any
+// number of times, in any order with the others) frees nothing (AddressSanitizer would see a double free). Ops of
+// every inline kind, issued back to back without waiting, all give the right results; one whose peers are late
+// (rank 1 sleeps first) is handed to the progress thread on a request of its own and finishes there.
+TEST(ShmRequests, InlineCallsThatFinishShareOneRequest) {
+  RunRanks(3, [&](int rank, t3d_comm_t *comm) {
+    const int n = 3;
+    std::vector<float> in(8, static_cast<float>(rank + 1)), out(8 * 40, 0.0f);
+    std::vector<t3d_request_t *> reqs;
+    for (int i = 0; i < 40; ++i) {
+      t3d_request_t *r = nullptr;
+      T3D_ASSERT_OK(comm, t3d_allreduce(comm, in.data(), out.data() + 8 * i, 8, T3D_FLOAT32, T3D_SUM, nullptr, &r));
+      ASSERT_NE(r, nullptr) << Tag(rank, "allreduce " + std::to_string(i));
+      reqs.push_back(r);
+    }
+    std::vector<int32_t> b(4, rank == 1 ? 7 : 0), g(4 * n, -1);
+    int32_t mine = 100 + rank;
+    t3d_request_t *rb = nullptr, *rg = nullptr, *rbar = nullptr;
+    T3D_ASSERT_OK(comm, t3d_broadcast(comm, b.data(), 4, T3D_INT32, 1, nullptr, &rb));
+    T3D_ASSERT_OK(comm, t3d_allgather(comm, &mine, g.data(), 1, T3D_INT32, nullptr, &rg));
+    T3D_ASSERT_OK(comm, t3d_barrier(comm, nullptr, &rbar));
+    reqs.push_back(rb);
+    reqs.push_back(rg);
+    reqs.push_back(rbar);
+    int called = 0;
+    t3d_result_t seen = T3D_ERR_INTERNAL;
+    for (t3d_request_t *r : reqs) {
+      EXPECT_EQ(t3d_wait(r, -1), T3D_OK) << Tag(rank, t3d_request_error(r));
+      EXPECT_EQ(t3d_test(r), T3D_OK) << Tag(rank, "t3d_test");
+      if (t3d_test(r) == T3D_OK) {
+        EXPECT_STREQ(t3d_request_error(r), "") << Tag(rank, "error text");
+      }
+    }
+    // A callback set on a finished request runs at once, with its result.
+    struct Seen {
+      int *called;
+      t3d_result_t *res;
+    } arg{&called, &seen};
+    EXPECT_EQ(t3d_request_set_callback(reqs[0], [](void *a, t3d_result_t res) {
+      auto *s = static_cast<Seen *>(a);
+      ++*s->called;
+      *s->res = res;
+    }, &arg), T3D_OK);
+    EXPECT_EQ(called, 1) << Tag(rank, "callback on a finished request");
+    EXPECT_EQ(seen, T3D_OK) << Tag(rank, "callback result");
+    for (size_t i = reqs.size(); i-- > 0;) t3d_request_free(reqs[i]);
+    for (int i = 0; i < 40; ++i)
+      for (int k = 0; k < 8; ++k) ASSERT_EQ(out[8 * i + k], 6.0f) << Tag(rank, "allreduce " + std::to_string(i));
+    for (int k = 0; k < 4; ++k) EXPECT_EQ(b[k], 7) << Tag(rank, "broadcast");
+    for (int p = 0; p < n; ++p) EXPECT_EQ(g[p], 100 + p) << Tag(rank, "allgather");
+    // Peers late: rank 1 sleeps, so the others' inline start gives up waiting and the progress thread finishes.
+    if (!HostBarrier()) return;
+    if (rank == 1) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    std::vector<float> late(8, 0.0f);
+    t3d_request_t *r = nullptr;
+    T3D_ASSERT_OK(comm, t3d_allreduce(comm, in.data(), late.data(), 8, T3D_FLOAT32, T3D_SUM, nullptr, &r));
+    EXPECT_EQ(t3d_wait(r, -1), T3D_OK) << Tag(rank, t3d_request_error(r));
+    t3d_request_free(r);
+    for (int k = 0; k < 8; ++k) EXPECT_EQ(late[k], 6.0f) << Tag(rank, "late allreduce");
+  });
+}
+
 // ---------- waiting ----------
 
 // A rank that arrives late is waited for asleep (a futex on its flag), not by polling: while rank 1 sleeps 300 ms
