@@ -49,7 +49,8 @@ static t3d_result_t check_op(t3d_comm_t *comm, const char *fn, t3d_redop_t op, t
 static t3d_result_t check_buf(t3d_comm_t *comm, const char *fn, const char *arg, const void *buf, size_t count,
                               t3d_dtype_t dt) {
   if (count > 0 && buf == NULL) return BAD_ARG(comm, fn, arg, "NULL with %zu elements", count);
-  if (count > SIZE_MAX / 16 / (t3d_dtype_size(dt) ? t3d_dtype_size(dt) : 1)) {
+  size_t es = t3d_dtype_size(dt) ? t3d_dtype_size(dt) : 1, bytes;
+  if (__builtin_mul_overflow(count, 16 * es, &bytes)) { /* no division: this runs twice per call */
     return BAD_ARG(comm, fn, arg, "%zu elements is too large", count);
   }
   return T3D_OK;
@@ -519,7 +520,7 @@ t3d_result_t t3d__execute_start(t3d_exec_t *ex, t3d_request_t *r) {
   }
   /* Peers that issue at about the same time arrive within microseconds; later ones are the progress thread's
    * business, so that the call stays non-blocking. */
-  t3d_result_t res = t3d__shm_start_wait(ex, &r->rs, who, t3d__now_ns() + ex->comm->inline_wait_ns);
+  t3d_result_t res = t3d__shm_start_wait(ex, &r->rs, who, ex->start_ns + ex->comm->inline_wait_ns);
   if (res == T3D_IN_PROGRESS) r->resume = 1;
   if (res != T3D_OK) return res;
   return finish_inline(ex, r);

@@ -708,7 +708,8 @@ static void init_exec(t3d_comm_t *comm, t3d_request_t *r, t3d_exec_t *ex) {
   ex->opname = t3d__op_name(r->kind);
   ex->seq = r->seq;
   ex->timeout_ms = r->timeout_ms;
-  ex->deadline_ns = r->resume ? r->deadline_ns : t3d__now_ns() + (uint64_t)r->timeout_ms * 1000000ull;
+  ex->start_ns = t3d__now_ns();
+  ex->deadline_ns = r->resume ? r->deadline_ns : ex->start_ns + (uint64_t)r->timeout_ms * 1000000ull;
 }
 
 /* Records the outcome of a collective and completes it. release: end the engine's busy state first, so that whoever

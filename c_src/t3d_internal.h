@@ -116,6 +116,7 @@ typedef struct t3d_exec {
   const char *opname; /* "allreduce", ... */
   uint64_t seq;       /* collective sequence number on this communicator */
   uint64_t deadline_ns;
+  uint64_t start_ns; /* t3d__now_ns when it started on this rank (an inline start: when the call began) */
   int64_t timeout_ms;
   char error[512];    /* text of the first failure, for the request and the communicator */
 } t3d_exec_t;
