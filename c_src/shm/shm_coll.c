@@ -96,8 +96,6 @@ static t3d_shm_arrival_t oneshot_arrival(const t3d_shm_t *s, int h, uint64_t bas
   if (oneshot_mode(bytes) == ONESHOT_LINES) {
     a.lines = oneshot_lines(bytes);
     a.word = t3d__shm_line_word(s, base + 1, kind, bytes);
-  } else if (oneshot_mode(bytes) == ONESHOT_HALF) {
-    a.h = -1;
   }
   return a;
 }
@@ -125,11 +123,9 @@ static t3d_result_t oneshot_publish(t3d_shm_t *s, t3d_exec_t *ex, const void *se
     }
   }
   /* A non-root of a reduce has nothing to read: it is done with the step. */
-  uint64_t posted = root >= 0 && root != s->rank ? st->base + 2 : st->base + 1;
-  if (mode == ONESHOT_HALF) t3d__shm_post(s, posted);
-  else t3d__shm_post_lazy(s, posted);
-  if (root == s->rank || mode == ONESHOT_HALF) return T3D_OK;
-  if (mode == ONESHOT_INLINE) {
+  t3d__shm_post_lazy(s, root >= 0 && root != s->rank ? st->base + 2 : st->base + 1);
+  if (root == s->rank) return T3D_OK;
+  if (mode != ONESHOT_LINES) {
     atomic_store_explicit(&t3d__shm_info(s, s->rank, st->h)->seq, st->base + 1, memory_order_release);
     return T3D_OK;
   }
@@ -152,6 +148,9 @@ static t3d_result_t oneshot_fold(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_ste
     if (p == me) s->srcs[p] = sendbuf;
     else if (oneshot_mode(bytes) == ONESHOT_INLINE) s->srcs[p] = t3d__shm_inline_data(s, p, st->h);
     else s->srcs[p] = t3d__shm_half(s, p, st->h);
+    /* Ask for all of a peer's lines at once: the fold's loads would otherwise meet the misses a few at a time. */
+    for (size_t off = 0; p != me && oneshot_mode(bytes) == ONESHOT_HALF && off < bytes && off < 4096; off += 64)
+      __builtin_prefetch((const char *)s->srcs[p] + off);
   }
   if (oneshot_mode(bytes) != ONESHOT_LINES) {
     t3d__shm_reduce_n(recvbuf, NULL, s->srcs, n, count, dt, op, 0);
