@@ -187,6 +187,26 @@ static int next_small_free(t3d_shm_t *s) {
 
 int t3d__shm_oneshot_fits(t3d_shm_t *s, size_t bytes) { return bytes <= s->oneshot_max && next_half_free(s); }
 
+/* PREFETCHW: fetch the line for writing (the CPU flag "3dnowprefetch"; a NOP hint where absent). */
+static void prefetch_write(const void *p) {
+#if defined(__x86_64__)
+  __asm__ volatile("prefetchw (%0)" : : "r"(p));
+#else
+  __builtin_prefetch(p, 1);
+#endif
+}
+
+/* Not the lines of a vector of 41-168 bytes: a peer that is ahead polls their words, and each would then move
+ * back and forth (measured, 128 B: 0.70 -> 0.80 us). */
+void t3d__shm_oneshot_warm(t3d_shm_t *s, size_t bytes) {
+  if (bytes > s->oneshot_max || oneshot_mode(bytes) == ONESHOT_LINES) return;
+  int h = (int)(s->step & 1);
+  prefetch_write(t3d__shm_info(s, s->rank, h));
+  const char *half = t3d__shm_half(s, s->rank, h);
+  for (size_t off = 0; oneshot_mode(bytes) == ONESHOT_HALF && off < bytes && off < 4 * 64; off += 64)
+    prefetch_write(half + off);
+}
+
 t3d_result_t t3d__shm_oneshot_start(t3d_exec_t *ex, const void *sendbuf, size_t bytes, t3d_shm_resume_t *rs) {
   t3d_shm_t *s = t3d__exec_shm(ex);
   t3d_shm_step_t st;
