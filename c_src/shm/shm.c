@@ -139,7 +139,6 @@ static t3d_result_t create_segment(t3d_comm_t *comm, t3d_shm_t *s, size_t rank_b
   hdr->total = total;
   hdr->p2p_eager = eager;
   hdr->p2p_slots = slots;
-  hdr->salt = s->salt = (uint64_t)random_bits() << 32 | random_bits();
   s->p2p_eager = eager;
   s->p2p_slots = slots;
   hdr->magic = T3D_SHM_MAGIC; /* published to the others through the store, which orders it */
@@ -184,7 +183,6 @@ static t3d_result_t attach_segment(t3d_shm_t *s, char *err, size_t errlen) {
   s->half = (size_t)hdr->half;
   s->p2p_eager = (size_t)hdr->p2p_eager;
   s->p2p_slots = (unsigned)hdr->p2p_slots;
-  s->salt = hdr->salt;
   layout(s);
   return T3D_OK;
 }
@@ -454,13 +452,7 @@ static t3d_result_t fail_wait(t3d_shm_t *s, t3d_exec_t *ex, int lo, int hi, uint
 }
 
 int t3d__shm_arrived_by_line(t3d_shm_t *s, int p, const t3d_shm_arrival_t *a) {
-  if (a->lines == 0) return atomic_load_explicit(&t3d__shm_info(s, p, a->h)->seq, memory_order_acquire) == a->word;
-  /* Every word is loaded before any is judged, so that the misses overlap. */
-  char *half = t3d__shm_half(s, p, a->h);
-  int all = 1;
-  for (unsigned i = 0; i < a->lines; i++)
-    all &= atomic_load_explicit(t3d__shm_line_end(half, i), memory_order_acquire) == a->word;
-  return all;
+  return atomic_load_explicit(&t3d__shm_info(s, p, a->h)->seq, memory_order_acquire) == a->word;
 }
 
 /* Whether rank p has reached target: what `a` names, or its flag. With a line to watch, the flag is read only

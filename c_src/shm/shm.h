@@ -11,18 +11,17 @@
 #include <stdint.h>
 
 /* Segment layout (every part 4 KiB aligned):
- *   header   one page: magic, rank count, bytes per half (rank 0 decides; the others adopt it), a random salt
+ *   header   one page: magic, rank count, bytes per half (rank 0 decides; the others adopt it)
  *   control  per rank T3D_SHM_CTRL_STRIDE bytes: its progress flag alone in the first 64 bytes and, in the next 64
  *            (the adjacent-line prefetcher fetches lines in pairs), the count of ranks asleep on that flag and the
  *            CPU the rank last ran t3d code on; then one 64-byte op-info line per half and per small slot
- *   data     per rank two halves of `half` bytes; step t of the communicator uses half t & 1 of every rank (a
- *            small one-shot allreduce uses its first lines as 56 bytes of data and a word each: shm_coll.c)
+ *   data     per rank two halves of `half` bytes; step t of the communicator uses half t & 1 of every rank
  *   small    per rank T3D_SHM_SMALL_SLOTS slots of T3D_SHM_SMALL_BYTES: small broadcasts use them in turn instead of
  *            the halves, so that a root may run that many broadcasts ahead of its slowest reader
  *   p2p      point-to-point (p2p.c): per rank T3D_SHM_P2P_RECORDS rendezvous records, then one ring of slots per
  *            ordered pair (sender, receiver)
  * A rank writes only its own flag, info lines and halves (and, in p2p, what p2p.c says). */
-#define T3D_SHM_MAGIC 0x3430304d48534433ull /* "3DSHM004" */
+#define T3D_SHM_MAGIC 0x3530304d48534433ull /* "3DSHM005" */
 #define T3D_SHM_SMALL_SLOTS 16
 #define T3D_SHM_SMALL_BYTES 16384
 #define T3D_SHM_CTRL_STRIDE (128 + 64 * (2 + T3D_SHM_SMALL_SLOTS))
@@ -38,7 +37,6 @@ typedef struct t3d_shm_header {
   uint64_t total;
   uint64_t p2p_eager; /* point-to-point: bytes a slot carries (p2p.c) */
   uint64_t p2p_slots; /* slots per ring */
-  uint64_t salt;      /* random, mixed into the words of one-shot lines (t3d__shm_line_word) */
 } t3d_shm_header_t;
 
 /* Written by a rank into the info line of the half it uses, before it publishes the first step of an operation;
@@ -50,10 +48,10 @@ typedef struct t3d_shm_info {
   uint64_t addr; /* single-copy allgatherv: where this rank's block is, in its process */
   int64_t pid;   /* this rank's process, for reading at addr */
   uint64_t spare[2];
-  /* Set to phase base + 1 of the step, after the rank posted that phase, by a one-shot allreduce / reduce whose
-   * vector travels in this line: a reader that sees it knows the flag and the vector without reading the flag's
-   * line (t3d__shm_wait_line). Steps that do not set it leave an earlier step's phase here, which no later wait
-   * asks for. */
+  /* Set to phase base + 1 of the step, after the rank posted that phase, by a one-shot allreduce / reduce: a
+   * reader that sees it knows the phase is posted without reading the flag's line (t3d__shm_wait_line), and has
+   * kind, size and (up to T3D_SHM_INLINE_DATA bytes) the vector in this line. Steps that do not set it leave an
+   * earlier step's phase here, which no later wait asks for. */
   _Atomic uint64_t seq;
 } t3d_shm_info_t;
 _Static_assert(sizeof(t3d_shm_info_t) == 64, "an info line is one cache line");
@@ -89,7 +87,6 @@ struct t3d_shm {
                        * owner's buffer (shm_coll.c, "single copy"); 0: never (rank 0's choice for all) */
   size_t direct_max;
   int pid;            /* this process */
-  uint64_t salt;      /* the header's */
   t3d_shm_p2p_t *p2p; /* the communicator's point-to-point over the region, once made (comm.c) */
   int *pending;       /* scratch: ranks still awaited */
   const void **srcs;  /* scratch: one source per rank */
@@ -187,22 +184,10 @@ t3d_result_t t3d__shm_wait_until(t3d_shm_t *s, t3d_exec_t *ex, int who, uint64_t
 static inline t3d_result_t t3d__shm_wait(t3d_shm_t *s, t3d_exec_t *ex, int who, uint64_t target) {
   return t3d__shm_wait_until(s, ex, who, target, 0);
 }
-/* One-shot vectors of up to T3D_SHM_LINES_MAX bytes: T3D_SHM_LINE_DATA bytes in each line of the half, whose last
- * word holds t3d__shm_line_word of the step's phase base + 1, the operation's kind and its size (shm_coll.c). */
-#define T3D_SHM_LINE_DATA 56
-#define T3D_SHM_LINES_MAX (3 * T3D_SHM_LINE_DATA) /* measured: a gain at 2-3 lines, a loss at 5 and more */
-/* The salt (the segment's, random) keeps a word that an earlier operation's data left at a line's end from passing
- * for a later step's: it would have to hold that step's phase, kind and size, mixed with a value it cannot know. */
-static inline uint64_t t3d__shm_line_word(const t3d_shm_t *s, uint64_t phase, int kind, size_t bytes) {
-  return (phase << 24 | (uint64_t)(kind & 0xff) << 16 | (uint64_t)bytes) ^ s->salt;
-}
-static inline _Atomic uint64_t *t3d__shm_line_end(char *half, unsigned line) {
-  return (_Atomic uint64_t *)(void *)(half + (size_t)line * 64 + T3D_SHM_LINE_DATA);
-}
-/* How a rank may show that it reached a phase besides its flag (t3d__shm_wait_line). */
+/* How a rank may show that it reached a phase besides its flag (t3d__shm_wait_line): its info line of half / slot
+ * h holds `word` in seq. */
 typedef struct t3d_shm_arrival {
-  int h;          /* the half / slot of the step; < 0: by its flag only */
-  unsigned lines; /* 0: its info line's seq equals `word`; else the first `lines` lines of its half end with `word` */
+  int h;
   uint64_t word;
 } t3d_shm_arrival_t;
 int t3d__shm_arrived_by_line(t3d_shm_t *s, int p, const t3d_shm_arrival_t *a);

@@ -71,99 +71,58 @@ static t3d_result_t direct_end(t3d_shm_t *s, t3d_exec_t *ex, uint64_t done, t3d_
 /* Every rank's whole vector goes into its half; the reducing ranks fold all halves in rank order, so every rank
  * computes the same bits. root < 0: allreduce. Two parts, so that an inline allreduce can publish on the caller's
  * thread and leave the fold to the progress thread when peers are late (t3d__shm_oneshot_*).
- * Small vectors avoid the separate lines of flag, info and data, which a reader would pull one after the other:
- * - at most T3D_SHM_INLINE_DATA bytes travel in the info line, after kind and size, and the line's seq says the
- *   phase is posted: one line per peer;
- * - up to T3D_SHM_LINES_MAX bytes travel in lines of the half that carry 56 bytes each and end with one word of
- *   phase, kind and size: a reader checks the words of all lines at once (their misses overlap), and a match also
- *   says the peer runs the same operation, so its info line is read only when the words do not match.
- * Either way the seq / words are written after the flag's post, so a reader that sees them may count the phase as
- * posted. */
-enum { ONESHOT_INLINE, ONESHOT_LINES, ONESHOT_HALF };
+ * A reader waits on the peer's info line, not its flag: after its (fence-free) post the writer sets the line's seq
+ * to the step's phase, so a reader that sees it has kind and size in the same line and may count the phase as
+ * posted. Vectors of at most T3D_SHM_INLINE_DATA bytes travel in that line too: one line per peer. The flag is
+ * still read now and then (t3d__shm_wait_line), for a peer that posts without setting seq: one that runs another
+ * operation, whose mismatch check_info then reports. */
+enum { ONESHOT_INLINE, ONESHOT_HALF };
 
-static int oneshot_mode(size_t bytes) {
-  if (bytes <= T3D_SHM_INLINE_DATA) return ONESHOT_INLINE;
-  return bytes <= T3D_SHM_LINES_MAX ? ONESHOT_LINES : ONESHOT_HALF;
-}
-
-static unsigned oneshot_lines(size_t bytes) {
-  return (unsigned)((bytes + T3D_SHM_LINE_DATA - 1) / T3D_SHM_LINE_DATA);
-}
-
-/* How a reader of this one-shot step may see a peer arrive besides its flag. */
-static t3d_shm_arrival_t oneshot_arrival(const t3d_shm_t *s, int h, uint64_t base, int kind, size_t bytes) {
-  t3d_shm_arrival_t a = {h, 0, base + 1};
-  if (oneshot_mode(bytes) == ONESHOT_LINES) {
-    a.lines = oneshot_lines(bytes);
-    a.word = t3d__shm_line_word(s, base + 1, kind, bytes);
-  }
-  return a;
-}
+static int oneshot_mode(size_t bytes) { return bytes <= T3D_SHM_INLINE_DATA ? ONESHOT_INLINE : ONESHOT_HALF; }
 
 static t3d_result_t oneshot_publish(t3d_shm_t *s, t3d_exec_t *ex, const void *sendbuf, size_t bytes, int root,
                                     int kind, t3d_shm_step_t *st) {
   t3d__shm_step_begin(s, 2, st);
-  int mode = oneshot_mode(bytes);
-  char *half = t3d__shm_half(s, s->rank, st->h);
+  t3d_shm_info_t *in = t3d__shm_info(s, s->rank, st->h);
   /* The root of a reduce reads its own input in place; everybody else publishes it. */
   if (root != s->rank) {
     T3D_CHECK(t3d__shm_step_acquire(s, ex, st));
-    if (mode == ONESHOT_INLINE) {
-      t3d_shm_info_t *in = t3d__shm_info(s, s->rank, st->h);
+    if (oneshot_mode(bytes) == ONESHOT_INLINE) {
       in->kind = (uint64_t)kind;
       in->sig = bytes;
       memcpy(t3d__shm_inline_data(s, s->rank, st->h), sendbuf, bytes);
     } else {
       t3d__shm_put_info(s, st, kind, bytes, 0);
-      if (mode == ONESHOT_HALF) memcpy(half, sendbuf, bytes);
-      for (size_t off = 0; mode == ONESHOT_LINES && off < bytes; off += T3D_SHM_LINE_DATA) {
-        size_t len = min_sz(T3D_SHM_LINE_DATA, bytes - off);
-        memcpy(half + off / T3D_SHM_LINE_DATA * 64, (const char *)sendbuf + off, len);
-      }
+      memcpy(t3d__shm_half(s, s->rank, st->h), sendbuf, bytes);
     }
   }
   /* A non-root of a reduce has nothing to read: it is done with the step. */
   t3d__shm_post_lazy(s, root >= 0 && root != s->rank ? st->base + 2 : st->base + 1);
-  if (root == s->rank) return T3D_OK;
-  if (mode != ONESHOT_LINES) {
-    atomic_store_explicit(&t3d__shm_info(s, s->rank, st->h)->seq, st->base + 1, memory_order_release);
-    return T3D_OK;
-  }
-  uint64_t word = t3d__shm_line_word(s, st->base + 1, kind, bytes);
-  for (unsigned i = 0; i < oneshot_lines(bytes); i++)
-    atomic_store_explicit(t3d__shm_line_end(half, i), word, memory_order_release);
+  if (root != s->rank) atomic_store_explicit(&in->seq, st->base + 1, memory_order_release);
   return T3D_OK;
 }
 
 static t3d_result_t oneshot_fold(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step_t *st, const void *sendbuf,
                                  void *recvbuf, size_t count, t3d_dtype_t dt, t3d_redop_t op, int kind) {
   int n = s->size, me = s->rank;
-  size_t es = t3d_dtype_size(dt), bytes = count * es;
-  t3d_shm_arrival_t a = oneshot_arrival(s, st->h, st->base, kind, bytes);
+  size_t bytes = count * t3d_dtype_size(dt);
+  t3d_shm_arrival_t a = {st->h, st->base + 1};
   T3D_CHECK(t3d__shm_wait_line(s, ex, -1, st->base + 1, 0, &a));
   for (int p = 0; p < n; p++) {
-    /* Matching words already say the peer runs this operation at this size. */
-    if (p != me && !(a.lines > 0 && t3d__shm_arrived_by_line(s, p, &a)))
-      T3D_CHECK(t3d__shm_check_info(s, ex, st, p, kind, bytes));
-    if (p == me) s->srcs[p] = sendbuf;
-    else if (oneshot_mode(bytes) == ONESHOT_INLINE) s->srcs[p] = t3d__shm_inline_data(s, p, st->h);
-    else s->srcs[p] = t3d__shm_half(s, p, st->h);
-    /* Ask for all of a peer's lines at once: the fold's loads would otherwise meet the misses a few at a time. */
-    for (size_t off = 0; p != me && oneshot_mode(bytes) == ONESHOT_HALF && off < bytes && off < 4096; off += 64)
-      __builtin_prefetch((const char *)s->srcs[p] + off);
-  }
-  if (oneshot_mode(bytes) != ONESHOT_LINES) {
-    t3d__shm_reduce_n(recvbuf, NULL, s->srcs, n, count, dt, op, 0);
-  } else {
-    /* Line by line: 56 bytes of each vector, then the next line of every half. */
-    for (size_t off = 0; off < bytes; off += T3D_SHM_LINE_DATA) {
-      size_t line = off / T3D_SHM_LINE_DATA * 64;
-      for (int p = 0; p < n; p++)
-        s->srcs[p] = p == me ? (const char *)sendbuf + off : t3d__shm_half(s, p, st->h) + line;
-      size_t elems = min_sz(T3D_SHM_LINE_DATA, bytes - off) / es;
-      t3d__shm_reduce_n((char *)recvbuf + off, NULL, s->srcs, n, elems, dt, op, 0);
+    if (p == me) {
+      s->srcs[p] = sendbuf;
+      continue;
     }
+    T3D_CHECK(t3d__shm_check_info(s, ex, st, p, kind, bytes));
+    if (oneshot_mode(bytes) == ONESHOT_INLINE) {
+      s->srcs[p] = t3d__shm_inline_data(s, p, st->h);
+      continue;
+    }
+    s->srcs[p] = t3d__shm_half(s, p, st->h);
+    /* Ask for all of a peer's lines at once: the fold's loads would otherwise meet the misses a few at a time. */
+    for (size_t off = 0; off < bytes && off < 4096; off += 64) __builtin_prefetch((const char *)s->srcs[p] + off);
   }
+  t3d__shm_reduce_n(recvbuf, NULL, s->srcs, n, count, dt, op, 0);
   t3d__shm_post_lazy(s, st->base + 2);
   return T3D_OK;
 }
@@ -196,10 +155,8 @@ static void prefetch_write(const void *p) {
 #endif
 }
 
-/* Not the lines of a vector of 41-168 bytes: a peer that is ahead polls their words, and each would then move
- * back and forth (measured, 128 B: 0.70 -> 0.80 us). */
 void t3d__shm_oneshot_warm(t3d_shm_t *s, size_t bytes) {
-  if (bytes > s->oneshot_max || oneshot_mode(bytes) == ONESHOT_LINES) return;
+  if (bytes > s->oneshot_max) return;
   int h = (int)(s->step & 1);
   prefetch_write(t3d__shm_info(s, s->rank, h));
   const char *half = t3d__shm_half(s, s->rank, h);
@@ -222,7 +179,7 @@ t3d_result_t t3d__shm_start_wait(t3d_exec_t *ex, const t3d_shm_resume_t *rs, int
    * that never says more. */
   t3d_shm_t *s = t3d__exec_shm(ex);
   if (rs->bytes == 0) return t3d__shm_wait_line(s, ex, who, rs->base + 1, until, NULL);
-  t3d_shm_arrival_t a = oneshot_arrival(s, rs->h, rs->base, T3D_OP_ALLREDUCE, rs->bytes);
+  t3d_shm_arrival_t a = {rs->h, rs->base + 1};
   return t3d__shm_wait_line(s, ex, who, rs->base + 1, until, &a);
 }
 

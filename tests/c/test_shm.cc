@@ -670,8 +670,8 @@ TEST(ShmFailure, MissingRankTimesOutBarrier) {
 }
 
 // Ranks that disagree on the size fail with T3D_ERR_MISMATCH (or time out), never with wrong data or a hang. The
-// pairs cover each way a one-shot vector travels (in the info line up to 40 bytes, in 56-byte lines up to 168, in
-// the half above) and pairs across them, with the larger vector on either rank.
+// pairs cover each way a one-shot vector travels (in the info line up to 40 bytes, in the half above) and pairs
+// across them, with the larger vector on either rank.
 TEST(ShmFailure, SizeMismatchIsReported) {
   RunOptions o;
   o.comm_timeout_ms = 1000;
