@@ -158,9 +158,10 @@ static inline void t3d__shm_post(t3d_shm_t *s, uint64_t value) {
   if (atomic_load_explicit(t3d__shm_sleepers(s, s->rank), memory_order_seq_cst) != 0) t3d__shm_wake(s);
   s->wake_pending = 0;
 }
-/* t3d__shm_post without the fence: the store leaves at once and the caller goes on while it drains, instead of
- * stalling on it (a cross-core line transfer, a fair share of a sub-microsecond collective). The check for sleepers
- * that the fence orders is left to t3d__shm_settle, which this rank runs at its next step and before it blocks. */
+/* t3d__shm_post without the fence: the store leaves while the caller goes on, instead of stalling it (a cross-core
+ * line transfer, a fair share of a sub-microsecond collective). The check for sleepers that the fence orders is
+ * left to t3d__shm_settle, which t3d__shm_sleep runs before this rank blocks and a later t3d__shm_post covers
+ * (flags only grow): a caller posts so before it returns from the operation. Each step's start settles too. */
 static inline void t3d__shm_post_lazy(t3d_shm_t *s, uint64_t value) {
   t3d__shm_note_cpu(s);
   atomic_store_explicit(t3d__shm_flag(s, s->rank), value, memory_order_release);

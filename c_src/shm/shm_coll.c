@@ -71,7 +71,7 @@ static t3d_result_t direct_end(t3d_shm_t *s, t3d_exec_t *ex, uint64_t done, t3d_
 /* Every rank's whole vector goes into its half; the reducing ranks fold all halves in rank order, so every rank
  * computes the same bits. root < 0: allreduce. Two parts, so that an inline allreduce can publish on the caller's
  * thread and leave the fold to the progress thread when peers are late (t3d__shm_oneshot_*).
- * A reader waits on the peer's info line, not its flag: after its (fence-free) post the writer sets the line's seq
+ * A reader waits on the peer's info line, not its flag: after its post the writer sets the line's seq
  * to the step's phase, so a reader that sees it has kind and size in the same line and may count the phase as
  * posted. Vectors of at most T3D_SHM_INLINE_DATA bytes travel in that line too: one line per peer. The flag is
  * still read now and then (t3d__shm_wait_line), for a peer that posts without setting seq: one that runs another
@@ -96,8 +96,15 @@ static t3d_result_t oneshot_publish(t3d_shm_t *s, t3d_exec_t *ex, const void *se
       memcpy(t3d__shm_half(s, s->rank, st->h), sendbuf, bytes);
     }
   }
-  /* A non-root of a reduce has nothing to read: it is done with the step. */
-  t3d__shm_post_lazy(s, root >= 0 && root != s->rank ? st->base + 2 : st->base + 1);
+  if (root >= 0 && root != s->rank) {
+    /* A non-root of a reduce has nothing to read: it is done with the step, and returns. */
+    atomic_store_explicit(&in->seq, st->base + 1, memory_order_release);
+    t3d__shm_post(s, st->base + 2);
+    return T3D_OK;
+  }
+  /* Without the fence: this rank waits for its peers next, while the stores leave its core; the fold's post (or
+   * t3d__shm_sleep, if it blocks first) checks for sleepers. */
+  t3d__shm_post_lazy(s, st->base + 1);
   if (root != s->rank) atomic_store_explicit(&in->seq, st->base + 1, memory_order_release);
   return T3D_OK;
 }
@@ -123,7 +130,7 @@ static t3d_result_t oneshot_fold(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_ste
     for (size_t off = 0; off < bytes && off < 4096; off += 64) __builtin_prefetch((const char *)s->srcs[p] + off);
   }
   t3d__shm_reduce_n(recvbuf, NULL, s->srcs, n, count, dt, op, 0);
-  t3d__shm_post_lazy(s, st->base + 2);
+  t3d__shm_post(s, st->base + 2);
   return T3D_OK;
 }
 
