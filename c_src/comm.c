@@ -411,12 +411,15 @@ t3d_result_t t3d__submit(t3d_comm_t *comm, t3d_request_t *r, t3d_request_t **out
 
 t3d_result_t t3d__submit_prepared(t3d_comm_t *comm, t3d_request_t *tmp, t3d_request_t **out) {
   if (comm->shm != NULL && is_collective(tmp->kind) && tmp->memtype == T3D_MEM_HOST) {
-    if (tmp->kind == T3D_OP_ALLREDUCE) t3d__shm_oneshot_warm(comm->shm, tmp->count * t3d_dtype_size(tmp->dtype));
     pthread_mutex_lock(&comm->mu);
     if (comm->group_depth == 0 && comm->q_head == NULL && !comm->busy && t3d__inline_eligible(comm, tmp)) {
       tmp->seq = ++comm->coll_seq;
       comm->busy = 1;
       pthread_mutex_unlock(&comm->mu);
+      /* This thread owns the segment's state now: ask for the lines the call will write while it sets up. */
+      size_t bytes = tmp->count * t3d_dtype_size(tmp->dtype);
+      if (tmp->kind == T3D_OP_ALLREDUCE) t3d__shm_oneshot_warm(comm->shm, bytes);
+      if (tmp->kind == T3D_OP_BROADCAST && tmp->root == comm->rank) t3d__shm_bcast_warm(comm->shm, bytes);
       return start_inline(comm, tmp, 0, out);
     }
     pthread_mutex_unlock(&comm->mu);

@@ -220,6 +220,8 @@ int t3d__shm_oneshot_fits(t3d_shm_t *shm, size_t bytes);
 /* Asks for ownership of the lines a one-shot allreduce of `bytes` will write next, so that the transfer from the
  * peer that read them last overlaps the call's set-up (a hint: it changes nothing). */
 void t3d__shm_oneshot_warm(t3d_shm_t *shm, size_t bytes);
+/* The same for the root of a broadcast of `bytes`. */
+void t3d__shm_bcast_warm(t3d_shm_t *shm, size_t bytes);
 t3d_result_t t3d__shm_oneshot_start(t3d_exec_t *ex, const void *sendbuf, size_t bytes, t3d_shm_resume_t *rs);
 t3d_result_t t3d__shm_oneshot_finish(t3d_exec_t *ex, const t3d_shm_resume_t *rs, const void *sendbuf, void *recvbuf,
                                      size_t count, t3d_dtype_t dt, t3d_redop_t op);

@@ -14,6 +14,15 @@
 static size_t min_sz(size_t a, size_t b) { return a < b ? a : b; }
 
 
+/* PREFETCHW: fetch the line for writing (the CPU flag "3dnowprefetch"; a NOP hint where absent). */
+static void prefetch_write(const void *p) {
+#if defined(__x86_64__)
+  __asm__ volatile("prefetchw (%0)" : : "r"(p));
+#else
+  __builtin_prefetch(p, 1);
+#endif
+}
+
 /* Elements per 64-byte line: slices start on cache lines, so that two ranks never write the same line. */
 static size_t line_elems(size_t es) { return es != 0 && 64 % es == 0 ? 64 / es : 1; }
 
@@ -152,15 +161,6 @@ static int next_small_free(t3d_shm_t *s) {
 }
 
 int t3d__shm_oneshot_fits(t3d_shm_t *s, size_t bytes) { return bytes <= s->oneshot_max && next_half_free(s); }
-
-/* PREFETCHW: fetch the line for writing (the CPU flag "3dnowprefetch"; a NOP hint where absent). */
-static void prefetch_write(const void *p) {
-#if defined(__x86_64__)
-  __asm__ volatile("prefetchw (%0)" : : "r"(p));
-#else
-  __builtin_prefetch(p, 1);
-#endif
-}
 
 void t3d__shm_oneshot_warm(t3d_shm_t *s, size_t bytes) {
   if (bytes > s->oneshot_max) return;
@@ -442,6 +442,16 @@ t3d_result_t t3d__shm_broadcast(t3d_exec_t *ex, void *buf, size_t bytes, int roo
 
 /* A broadcast that fits one half, in parts: the root publishes and is done; the others wait for it, then copy out.
  * The same steps as t3d__shm_broadcast, so ranks that take either path agree. */
+/* The root of a small broadcast: the lines of the next small slot (as t3d__shm_oneshot_warm). Measured, 2 ranks:
+ * 128 B-512 B 0.42-0.46 -> 0.38-0.41 us, 2 KiB 0.74 -> 0.60 us. */
+void t3d__shm_bcast_warm(t3d_shm_t *s, size_t bytes) {
+  if (bytes == 0 || bytes > T3D_SHM_SMALL_BYTES) return;
+  int h = 2 + (int)(s->small_steps % T3D_SHM_SMALL_SLOTS);
+  prefetch_write(t3d__shm_info(s, s->rank, h));
+  const char *slot = t3d__shm_half(s, s->rank, h);
+  for (size_t off = 0; off < bytes && off < 4 * 64; off += 64) prefetch_write(slot + off);
+}
+
 int t3d__shm_bcast_fits(t3d_shm_t *s, size_t bytes, int root) {
   if (bytes == 0 || bytes > s->half) return 0;
   return root != s->rank || (bytes <= T3D_SHM_SMALL_BYTES ? next_small_free(s) : next_half_free(s));
