@@ -222,7 +222,9 @@ size_t t3d_request_count(t3d_request_t *req);
  * block on another t3d request of the same communicator. */
 typedef void (*t3d_callback_t)(void *arg, t3d_result_t result);
 t3d_result_t t3d_request_set_callback(t3d_request_t *req, t3d_callback_t fn, void *arg);
-/* Safe on a pending request: it is released once complete. */
+/* Safe on a pending request: it is released once complete. A small collective that finished during its call
+ * without error may hand out a request shared by all such calls (complete, T3D_OK), so two calls' handles may be
+ * equal; each is freed as usual, which for that one does nothing. */
 void t3d_request_free(t3d_request_t *req);
 
 /* Library facts: "0.1.0", transports compiled in ("ucx"), UCX version. */
