@@ -761,9 +761,6 @@ static void run_collective(t3d_comm_t *comm, t3d_request_t *r, int release) {
   end_collective(comm, r, &ex, t3d__execute(&ex, r), release, 0);
 }
 
-/* On the caller's thread, with the engine marked busy. When peers are late the request goes to the head of the
- * queue (ahead of anything other threads queued meanwhile: it was issued first) and the progress thread finishes
- * it, so the call never waits for long. */
 /* A prepared request that start_inline could not keep (no memory): the call finishes here, waiting for late peers,
  * and reports through its return value. */
 static t3d_result_t finish_unkept(t3d_comm_t *comm, t3d_exec_t *ex, t3d_request_t *r, t3d_result_t res,
