@@ -451,16 +451,12 @@ static t3d_result_t fail_wait(t3d_shm_t *s, t3d_exec_t *ex, int lo, int hi, uint
   return t3d__exec_check(ex, names);
 }
 
-int t3d__shm_arrived_by_line(t3d_shm_t *s, int p, const t3d_shm_arrival_t *a) {
-  return atomic_load_explicit(&t3d__shm_info(s, p, a->h)->seq, memory_order_acquire) == a->word;
-}
-
-/* Whether rank p has reached target: what `a` names, or its flag. With a line to watch, the flag is read only
- * when `flag_too` (its fallback: a peer that posts without writing the line, e.g. one that runs another operation):
- * every read of the flag's line is one more line the peer must take back when it next posts. */
+/* Whether rank p has reached target: its info line's seq equals a->word, or its flag. With a line to watch, the
+ * flag is read only when `flag_too` (its fallback: a peer that posts without setting seq, e.g. one that runs another
+ * operation): every read of the flag's line is one more line the peer must take back when it next posts. */
 static int arrived(t3d_shm_t *s, int p, uint64_t target, const t3d_shm_arrival_t *a, int flag_too) {
-  if (a != NULL && a->h >= 0) {
-    if (t3d__shm_arrived_by_line(s, p, a)) return 1;
+  if (a != NULL) {
+    if (atomic_load_explicit(&t3d__shm_info(s, p, a->h)->seq, memory_order_acquire) == a->word) return 1;
     if (!flag_too) return 0;
   }
   return atomic_load_explicit(t3d__shm_flag(s, p), memory_order_acquire) >= target;

@@ -191,7 +191,6 @@ typedef struct t3d_shm_arrival {
   int h;
   uint64_t word;
 } t3d_shm_arrival_t;
-int t3d__shm_arrived_by_line(t3d_shm_t *s, int p, const t3d_shm_arrival_t *a);
 /* t3d__shm_wait_until, where a rank also counts as there once it shows so as `a` says (NULL: flags only). */
 t3d_result_t t3d__shm_wait_line(t3d_shm_t *s, t3d_exec_t *ex, int who, uint64_t target, uint64_t until,
                                 const t3d_shm_arrival_t *a);
