@@ -356,7 +356,7 @@ static void enqueue(t3d_comm_t *comm, t3d_request_t *r) {
 
 static int is_collective(t3d_op_kind_t k) { return k != T3D_OP_SEND && k != T3D_OP_RECV && k != T3D_OP_GROUP; }
 
-static t3d_result_t start_inline(t3d_comm_t *comm, t3d_request_t *r, int kept, t3d_request_t **out);
+static t3d_result_t start_inline(t3d_comm_t *comm, t3d_request_t *r, int kept, int whole, t3d_request_t **out);
 
 /* Ends the engine's busy state. Requests queued meanwhile waited for it: wake the progress thread. */
 static void release_engine(t3d_comm_t *comm) {
@@ -402,7 +402,7 @@ t3d_result_t t3d__submit(t3d_comm_t *comm, t3d_request_t *r, t3d_request_t **out
   if (coll && comm->q_head == NULL && !comm->busy && t3d__inline_eligible(comm, r)) {
     comm->busy = 1;
     pthread_mutex_unlock(&comm->mu);
-    return start_inline(comm, r, 1, out);
+    return start_inline(comm, r, 1, 0, out);
   }
   pthread_mutex_unlock(&comm->mu);
   enqueue(comm, r);
@@ -412,7 +412,11 @@ t3d_result_t t3d__submit(t3d_comm_t *comm, t3d_request_t *r, t3d_request_t **out
 t3d_result_t t3d__submit_prepared(t3d_comm_t *comm, t3d_request_t *tmp, t3d_request_t **out) {
   if (comm->shm != NULL && is_collective(tmp->kind) && tmp->memtype == T3D_MEM_HOST) {
     pthread_mutex_lock(&comm->mu);
-    if (comm->group_depth == 0 && comm->q_head == NULL && !comm->busy && t3d__inline_eligible(comm, tmp)) {
+    int idle = comm->group_depth == 0 && comm->q_head == NULL && !comm->busy;
+    int eligible = idle && t3d__inline_eligible(comm, tmp);
+    /* A blocking call runs the whole of a collective too large to start inline here as well. */
+    int whole = idle && !eligible && (tmp->flags & T3D_FLAG_BLOCKING) && atomic_load(&comm->fatal) == 0;
+    if (eligible || whole) {
       tmp->seq = ++comm->coll_seq;
       comm->busy = 1;
       pthread_mutex_unlock(&comm->mu);
@@ -420,7 +424,7 @@ t3d_result_t t3d__submit_prepared(t3d_comm_t *comm, t3d_request_t *tmp, t3d_requ
       size_t bytes = tmp->count * t3d_dtype_size(tmp->dtype);
       if (tmp->kind == T3D_OP_ALLREDUCE) t3d__shm_oneshot_warm(comm->shm, bytes);
       if (tmp->kind == T3D_OP_BROADCAST && tmp->root == comm->rank) t3d__shm_bcast_warm(comm->shm, bytes);
-      return start_inline(comm, tmp, 0, out);
+      return start_inline(comm, tmp, 0, whole, out);
     }
     pthread_mutex_unlock(&comm->mu);
   }
@@ -777,12 +781,15 @@ static t3d_result_t finish_unkept(t3d_comm_t *comm, t3d_exec_t *ex, t3d_request_
 /* On the caller's thread, with the engine marked busy. r is on the heap (kept) or prepared on the caller's stack;
  * the latter, finished without error, hands out done_ok, and is kept only when it failed or goes on. When peers are
  * late the request goes to the head of the queue (ahead of anything other threads queued meanwhile: it was issued
- * first) and the progress thread finishes it, so the call never waits for long. */
-static t3d_result_t start_inline(t3d_comm_t *comm, t3d_request_t *r, int kept, t3d_request_t **out) {
+ * first) and the progress thread finishes it, so the call never waits for long; unless the call is blocking
+ * (T3D_FLAG_BLOCKING): then this thread finishes it. whole: a blocking call's collective that has no inline start,
+ * run from the beginning. */
+static t3d_result_t start_inline(t3d_comm_t *comm, t3d_request_t *r, int kept, int whole, t3d_request_t **out) {
   t3d_exec_t ex;
   init_exec(comm, r, &ex);
   r->deadline_ns = ex.deadline_ns;
-  t3d_result_t res = t3d__execute_start(&ex, r);
+  t3d_result_t res = whole ? t3d__execute(&ex, r) : t3d__execute_start(&ex, r);
+  if (res == T3D_IN_PROGRESS && (r->flags & T3D_FLAG_BLOCKING)) res = t3d__execute(&ex, r); /* r->resume is set */
   if (!kept) {
     if (res == T3D_OK) {
       release_engine(comm);

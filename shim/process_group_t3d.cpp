@@ -150,8 +150,8 @@ t3d_request_t* ProcessGroupT3D::issuePlan(const OpCtx& c, Plan& p, const t3d_opt
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::run(c10d::OpType type, const OpCtx& c, Plan&& p,
-                                                    std::chrono::milliseconds timeout) {
-  t3d_opts_t o = cOpts(timeout, p.premul, p.flags);
+                                                    std::chrono::milliseconds timeout, bool asyncOp) {
+  t3d_opts_t o = cOpts(timeout, p.premul, p.flags | (asyncOp ? 0u : T3D_FLAG_BLOCKING));
   if (c.device && c.device->is_cuda()) return runDevice(type, c, std::move(p), o);
   TORCH_CHECK(!coalescing_ || !coalescingDevice_ || coalescingDevice_->is_cpu(), "t3d: ", c.op, " on rank ", rank_,
               ": a coalescing block takes tensors of one device type; it began with ", *coalescingDevice_);
@@ -317,7 +317,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::allreduce(std::vector<at::Tensor
   Rop r = rop(c, opts.reduceOp);
   Plan p;
   planAllreduce(c, "tensors[0]", tensors[0], r, p);
-  return run(c10d::OpType::ALLREDUCE, c, std::move(p), opts.timeout);
+  return run(c10d::OpType::ALLREDUCE, c, std::move(p), opts.timeout, opts.asyncOp);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::allreduce_coalesced(std::vector<at::Tensor>& tensors,
@@ -355,7 +355,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::reduce(std::vector<at::Tensor>& 
   p.keep.push_back(s.buf);
   if (s.staged && rank_ == root) p.post.push_back([s](t3d_request_t*) { s.copyBack(); });
   p.outputs.push_back(t);
-  return run(c10d::OpType::REDUCE, c, std::move(p), opts.timeout);
+  return run(c10d::OpType::REDUCE, c, std::move(p), opts.timeout, opts.asyncOp);
 }
 
 void ProcessGroupT3D::planReduceScatterList(const OpCtx& c, const at::Tensor& out, const std::vector<at::Tensor>& ins,
@@ -413,7 +413,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::reduce_scatter(std::vector<at::T
   Rop r = rop(c, opts.reduceOp);
   Plan p;
   planReduceScatterList(c, outputTensors[0], inputTensors[0], r, p);
-  return run(c10d::OpType::REDUCE_SCATTER, c, std::move(p), opts.timeout);
+  return run(c10d::OpType::REDUCE_SCATTER, c, std::move(p), opts.timeout, opts.asyncOp);
 }
 
 void ProcessGroupT3D::planReduceScatterBase(const OpCtx& c, const char* outArg, const at::Tensor& out,
@@ -448,7 +448,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::_reduce_scatter_base(at::Tensor&
   Rop r = rop(c, opts.reduceOp);
   Plan p;
   planReduceScatterBase(c, "outputBuffer", outputBuffer, "inputBuffer", inputBuffer, r, p);
-  return run(c10d::OpType::_REDUCE_SCATTER_BASE, c, std::move(p), opts.timeout);
+  return run(c10d::OpType::_REDUCE_SCATTER_BASE, c, std::move(p), opts.timeout, opts.asyncOp);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::reduce_scatter_tensor_coalesced(
@@ -486,7 +486,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::broadcast(std::vector<at::Tensor
   p.keep.push_back(s.buf);
   if (s.staged && rank_ != root) p.post.push_back([s](t3d_request_t*) { s.copyBack(); });
   p.outputs.push_back(t);
-  return run(c10d::OpType::BROADCAST, c, std::move(p), opts.timeout);
+  return run(c10d::OpType::BROADCAST, c, std::move(p), opts.timeout, opts.asyncOp);
 }
 
 void ProcessGroupT3D::planAllgatherList(const OpCtx& c, const char* outArg, const std::vector<at::Tensor>& outs,
@@ -547,7 +547,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::allgather(std::vector<std::vecto
   checkListSize(c, "outputTensors", outputTensors.size(), 1);
   Plan p;
   planAllgatherList(c, "outputTensors[0]", outputTensors[0], "inputTensors[0]", inputTensors[0], p);
-  return run(c10d::OpType::ALLGATHER, c, std::move(p), opts.timeout);
+  return run(c10d::OpType::ALLGATHER, c, std::move(p), opts.timeout, opts.asyncOp);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::allgather_coalesced(
@@ -592,7 +592,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::_allgather_base(at::Tensor& outp
   OpCtx c = ctx("_allgather_base");
   Plan p;
   planAllgatherBase(c, "outputBuffer", outputBuffer, "inputBuffer", inputBuffer, p);
-  return run(c10d::OpType::_ALLGATHER_BASE, c, std::move(p), opts.timeout);
+  return run(c10d::OpType::_ALLGATHER_BASE, c, std::move(p), opts.timeout, opts.asyncOp);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
@@ -772,7 +772,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::alltoall_base(at::Tensor& output
   p.keep.push_back(so.buf);
   if (so.staged) p.post.push_back([so](t3d_request_t*) { so.copyBack(); });
   p.outputs.push_back(out);
-  return run(c10d::OpType::ALLTOALL_BASE, c, std::move(p), opts.timeout);
+  return run(c10d::OpType::ALLTOALL_BASE, c, std::move(p), opts.timeout, opts.asyncOp);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::alltoall(std::vector<at::Tensor>& outputTensors,
@@ -824,7 +824,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::alltoall(std::vector<at::Tensor>
     }
   });
   p.outputs = outs;
-  return run(c10d::OpType::ALLTOALL, c, std::move(p), opts.timeout);
+  return run(c10d::OpType::ALLTOALL, c, std::move(p), opts.timeout, opts.asyncOp);
 }
 
 // ---- point-to-point ---------------------------------------------------------------------------------------------
@@ -899,7 +899,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::barrier(const c10d::BarrierOptio
   t3d_comm_t* cm = comm();
   Plan p;
   p.issue.push_back([=](const t3d_opts_t& o, t3d_request_t** req) { return t3d_barrier(cm, &o, req); });
-  return run(c10d::OpType::BARRIER, c, std::move(p), opts.timeout);
+  return run(c10d::OpType::BARRIER, c, std::move(p), opts.timeout, opts.asyncOp);
 }
 
 void ProcessGroupT3D::monitoredBarrier(const c10d::BarrierOptions& opts, bool /*waitAllRanks*/) {

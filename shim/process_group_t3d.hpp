@@ -165,7 +165,10 @@ class ProcessGroupT3D : public c10d::Backend {
   void planReduceScatterBase(const OpCtx& c, const char* outArg, const at::Tensor& out, const char* inArg,
                              const at::Tensor& in, Rop r, Plan& p);
   // Issues the plan and wraps it in a work: on host tensors an armed WorkT3D, on CUDA tensors a WorkT3DDevice.
-  c10::intrusive_ptr<c10d::Work> run(c10d::OpType type, const OpCtx& c, Plan&& p, std::chrono::milliseconds timeout);
+  // asyncOp false: torch waits for the work right away (dist.all_reduce(t) without async_op), so the C call may run
+  // the whole collective on this thread (T3D_FLAG_BLOCKING).
+  c10::intrusive_ptr<c10d::Work> run(c10d::OpType type, const OpCtx& c, Plan&& p, std::chrono::milliseconds timeout,
+                                     bool asyncOp = true);
   // Issues a plan's C operations (several as one t3d group) and returns the request of them all.
   t3d_request_t* issuePlan(const OpCtx& c, Plan& p, const t3d_opts_t& o);
   c10::intrusive_ptr<c10d::Work> runDevice(c10d::OpType type, const OpCtx& c, Plan&& p, t3d_opts_t o);

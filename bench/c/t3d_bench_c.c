@@ -118,13 +118,20 @@ typedef struct {
   int transports; /* bit 0: auto, bit 1: ucx */
   int check;
   int warmup, iters; /* 0: by size */
+  int async;         /* -a: collectives without T3D_FLAG_BLOCKING */
 } opts_t;
+
+/* What every collective call passes: T3D_FLAG_BLOCKING (each call is waited for at once, as MPI_Allreduce and the
+ * other blocking calls that mpi_bench_c times), unless -a. */
+static t3d_opts_t call_opts;
 
 static void usage(const char *argv0) {
   fprintf(stderr,
           "usage: %s [-n ranks] [-b minbytes] [-e maxbytes] [-f factor] [-o op[,op...]] [-t auto|ucx|both]\n"
-          "          [-w warmup] [-i iters] [-c 0|1]\n"
+          "          [-w warmup] [-i iters] [-c 0|1] [-a]\n"
           "  ops: allreduce, allgather, reduce_scatter, alltoall, broadcast, sendrecv (default: all)\n"
+          "  -a issues collectives without T3D_FLAG_BLOCKING (the progress thread runs those too large to start on\n"
+          "     the calling thread), still waiting for each at once\n"
           "  sendrecv is a ring shift: every rank sends to rank + 1 and receives from rank - 1 in one group\n"
           "  sizes are total bytes as in nccl-tests (K/M/G suffixes); float32, sum; default 8 B .. 256 MiB x2\n"
           "  -t both runs every size on two communicators: the default transport (shared memory on one host) and\n"
@@ -167,13 +174,13 @@ static t3d_result_t run_once(t3d_comm_t *c, int op, float *sb, float *rb, size_t
   t3d_result_t r;
   if (op == OP_SENDRECV) return sendrecv(c, sb, rb, count, n);
   switch (op) {
-    case OP_ALLREDUCE: r = t3d_allreduce(c, sb, rb, count, T3D_FLOAT32, T3D_SUM, NULL, &req); break;
-    case OP_ALLGATHER: r = t3d_allgather(c, sb, rb, count / (size_t)n, T3D_FLOAT32, NULL, &req); break;
+    case OP_ALLREDUCE: r = t3d_allreduce(c, sb, rb, count, T3D_FLOAT32, T3D_SUM, &call_opts, &req); break;
+    case OP_ALLGATHER: r = t3d_allgather(c, sb, rb, count / (size_t)n, T3D_FLOAT32, &call_opts, &req); break;
     case OP_REDUCE_SCATTER:
-      r = t3d_reduce_scatter(c, sb, rb, count / (size_t)n, T3D_FLOAT32, T3D_SUM, NULL, &req);
+      r = t3d_reduce_scatter(c, sb, rb, count / (size_t)n, T3D_FLOAT32, T3D_SUM, &call_opts, &req);
       break;
-    case OP_ALLTOALL: r = t3d_alltoall(c, sb, rb, count / (size_t)n, T3D_FLOAT32, NULL, &req); break;
-    default: r = t3d_broadcast(c, rb, count, T3D_FLOAT32, 0, NULL, &req); break;
+    case OP_ALLTOALL: r = t3d_alltoall(c, sb, rb, count / (size_t)n, T3D_FLOAT32, &call_opts, &req); break;
+    default: r = t3d_broadcast(c, rb, count, T3D_FLOAT32, 0, &call_opts, &req); break;
   }
   if (r != T3D_OK) return r;
   r = t3d_wait(req, -1);
@@ -222,8 +229,9 @@ static int rank_main(const opts_t *o, int rank, const fstore_t *fs, shared_t *sh
   for (int op = 0; op < OP_COUNT; op++) {
     if (!o->ops[op]) continue;
     if (rank == 0) {
-      printf("\n# %s, %d ranks, float32%s; time = slowest rank's mean per call (issue + wait)\n", op_names[op], n,
-             op == OP_ALLREDUCE || op == OP_REDUCE_SCATTER ? " sum" : "");
+      printf("\n# %s, %d ranks, float32%s; time = slowest rank's mean per call (issue + wait%s)\n", op_names[op], n,
+             op == OP_ALLREDUCE || op == OP_REDUCE_SCATTER ? " sum" : "",
+             op == OP_SENDRECV ? "" : o->async ? "; non-blocking" : "; T3D_FLAG_BLOCKING");
       printf("# %12s %12s %6s %5s", "size(B)", "count", "type", "redop");
       for (int t = 0; t < 2; t++)
         if (o->transports & (1 << t))
@@ -307,7 +315,7 @@ int main(int argc, char **argv) {
   opts_t o = {.nranks = 2, .minb = 8, .maxb = 256u << 20, .factor = 2, .transports = 3, .check = 1};
   for (int i = 0; i < OP_COUNT; i++) o.ops[i] = 1;
   int c;
-  while ((c = getopt(argc, argv, "n:b:e:f:o:t:w:i:c:h")) != -1) {
+  while ((c = getopt(argc, argv, "n:b:e:f:o:t:w:i:c:ah")) != -1) {
     switch (c) {
       case 'n': o.nranks = atoi(optarg); break;
       case 'b': o.minb = parse_size(optarg); break;
@@ -316,6 +324,7 @@ int main(int argc, char **argv) {
       case 'w': o.warmup = atoi(optarg); break;
       case 'i': o.iters = atoi(optarg); break;
       case 'c': o.check = atoi(optarg); break;
+      case 'a': o.async = 1; break;
       case 't':
         if (strcmp(optarg, "auto") == 0) o.transports = 1;
         else if (strcmp(optarg, "ucx") == 0) o.transports = 2;
@@ -329,6 +338,7 @@ int main(int argc, char **argv) {
     }
   }
   if (o.nranks < 1 || o.factor < 2 || o.minb < 1 || o.maxb < o.minb) usage(argv[0]);
+  call_opts.flags = o.async ? 0u : T3D_FLAG_BLOCKING;
   printf("# t3d_bench_c: %d ranks (processes), t3d %s, %s\n", o.nranks, t3d_version_string(),
          t3d_ucx_version_string());
   print_memcpy_reference();

@@ -118,6 +118,13 @@ typedef struct t3d_opts {
 /* t3d_recv: a message longer than the buffer fills it and the rest is dropped (not an error);
  * t3d_request_count then reports the sender's count, larger than the posted one. */
 #define T3D_FLAG_RECV_TRUNCATE 1u
+/* A collective whose caller waits for it right after the call (a blocking call, as MPI_Allreduce is to
+ * MPI_Iallreduce). On host buffers over shared memory, with nothing queued before it, the call runs the whole
+ * collective on the calling thread, waiting for late peers up to its timeout, and returns a finished request:
+ * no hand-off to the progress thread and back, and the buffers stay in this core's caches. Without the flag only
+ * small collectives start on the calling thread, and go on in the background when peers are late. Ignored inside a
+ * group, for CUDA buffers, and for point-to-point. */
+#define T3D_FLAG_BLOCKING 2u
 
 typedef struct t3d_comm t3d_comm_t;
 typedef struct t3d_request t3d_request_t;

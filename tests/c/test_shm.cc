@@ -569,6 +569,66 @@ TEST(ShmRequests, InlineCallsThatFinishShareOneRequest) {
   });
 }
 
+// T3D_FLAG_BLOCKING: the call runs the whole collective on the caller's thread, so the request it returns is done
+// already, with the right result: small and large (past the inline start's limit and a half) allreduce, broadcast,
+// allgather, reduce_scatter, alltoall and barrier, and a small and a large allreduce whose peer comes 50 ms late
+// (without the flag, the small one would go on in the background, and a large one never starts inline).
+TEST(ShmRequests, BlockingCallsFinishOnTheCallersThread) {
+  RunRanks(2, [&](int rank, t3d_comm_t *comm) {
+    t3d_opts_t o{};
+    o.flags = T3D_FLAG_BLOCKING;
+    auto done_now = [&](t3d_request_t *r, const std::string &what) {
+      ASSERT_NE(r, nullptr) << Tag(rank, what);
+      EXPECT_EQ(t3d_test(r), T3D_OK) << Tag(rank, what + ": done when the call returns; " + t3d_request_error(r));
+      t3d_request_free(r);
+    };
+    for (size_t count : {size_t{4}, size_t{3} << 20}) {  // 16 B and 12 MiB (more than a half: several steps)
+      std::string sz = " of " + std::to_string(count) + " floats";
+      std::vector<float> in(count), out(count, 0.0f), all(2 * count, 0.0f);
+      for (size_t i = 0; i < count; ++i) in[i] = static_cast<float>((i % 1000) + rank);
+      t3d_request_t *r = nullptr;
+      T3D_ASSERT_OK(comm, t3d_allreduce(comm, in.data(), out.data(), count, T3D_FLOAT32, T3D_SUM, &o, &r));
+      done_now(r, "allreduce" + sz);
+      for (size_t i = 0; i < count; i += 997) ASSERT_EQ(out[i], 2.0f * (i % 1000) + 1.0f) << Tag(rank, "allreduce");
+      std::vector<float> b(count, rank == 1 ? 3.0f : 0.0f);
+      T3D_ASSERT_OK(comm, t3d_broadcast(comm, b.data(), count, T3D_FLOAT32, 1, &o, &r));
+      done_now(r, "broadcast" + sz);
+      for (size_t i = 0; i < count; i += 997) ASSERT_EQ(b[i], 3.0f) << Tag(rank, "broadcast");
+      T3D_ASSERT_OK(comm, t3d_allgather(comm, in.data(), all.data(), count, T3D_FLOAT32, &o, &r));
+      done_now(r, "allgather" + sz);
+      for (size_t i = 0; i < count; i += 997) {
+        ASSERT_EQ(all[i], static_cast<float>(i % 1000)) << Tag(rank, "allgather");
+        ASSERT_EQ(all[count + i], static_cast<float>(i % 1000) + 1.0f) << Tag(rank, "allgather");
+      }
+      std::vector<float> half(count / 2, 0.0f);
+      T3D_ASSERT_OK(comm, t3d_reduce_scatter(comm, in.data(), half.data(), count / 2, T3D_FLOAT32, T3D_SUM, &o, &r));
+      done_now(r, "reduce_scatter" + sz);
+      for (size_t i = 0; i < count / 2; i += 997) {
+        size_t j = rank * (count / 2) + i;
+        ASSERT_EQ(half[i], 2.0f * (j % 1000) + 1.0f) << Tag(rank, "reduce_scatter");
+      }
+      T3D_ASSERT_OK(comm, t3d_alltoall(comm, in.data(), out.data(), count / 2, T3D_FLOAT32, &o, &r));
+      done_now(r, "alltoall" + sz);
+      for (size_t i = 0; i < count / 2; i += 997) {
+        // Block p of the output is block `rank` of rank p's input.
+        for (int p = 0; p < 2; ++p) {
+          size_t j = rank * (count / 2) + i;
+          ASSERT_EQ(out[p * (count / 2) + i], static_cast<float>((j % 1000) + p)) << Tag(rank, "alltoall");
+        }
+      }
+      T3D_ASSERT_OK(comm, t3d_barrier(comm, &o, &r));
+      done_now(r, "barrier");
+      // The peer comes late: the blocking call waits for it on this thread.
+      if (!HostBarrier()) return;
+      if (rank == 1) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      std::fill(out.begin(), out.end(), 0.0f);
+      T3D_ASSERT_OK(comm, t3d_allreduce(comm, in.data(), out.data(), count, T3D_FLOAT32, T3D_SUM, &o, &r));
+      done_now(r, "late allreduce" + sz);
+      for (size_t i = 0; i < count; i += 997) ASSERT_EQ(out[i], 2.0f * (i % 1000) + 1.0f) << Tag(rank, "late");
+    }
+  });
+}
+
 // ---------- waiting ----------
 
 // A rank that arrives late is waited for asleep (a futex on its flag), not by polling: while rank 1 sleeps 300 ms
