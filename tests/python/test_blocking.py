@@ -1,0 +1,50 @@
+# torch's synchronous calls (opts.asyncOp false, as dist.all_reduce(t) sets it) reach t3d with T3D_FLAG_BLOCKING:
+# the collective runs on the calling thread, so the work the backend returns is complete already. Asynchronous ones
+# still go to the progress thread: a 12 MiB allreduce's work is still running when the call returns.
+import _dist
+
+BIG = 3 << 20  # float32 elements: 12 MiB, past the inline start and a half of the segment
+
+
+def _calls(rank, ws):
+    import torch
+    import torch.distributed as dist
+
+    be = dist.group.WORLD._get_backend(torch.device("cpu"))
+    seen = {}
+    for async_op in (False, True):
+        x = torch.full((BIG,), float(rank + 1))
+        o = dist.AllreduceOptions()
+        o.asyncOp = async_op
+        w = be.allreduce([x], o)
+        seen[f"allreduce async_op={async_op}"] = w.is_completed()
+        w.wait()
+        assert torch.all(x == ws * (ws + 1) / 2), f"allreduce async_op={async_op}: {x[:4]}"
+        b = torch.full((BIG,), float(rank))
+        o = dist.BroadcastOptions()
+        o.rootRank = ws - 1
+        o.asyncOp = async_op
+        w = be.broadcast([b], o)
+        seen[f"broadcast async_op={async_op} (rank {rank})"] = w.is_completed() if rank == 0 else None
+        w.wait()
+        assert torch.all(b == ws - 1), f"broadcast async_op={async_op}"
+        g = torch.empty(ws * BIG)
+        o = dist.AllgatherOptions()
+        o.asyncOp = async_op
+        w = be._allgather_base(g, torch.full((BIG,), float(rank)), o)
+        seen[f"all_gather_into_tensor async_op={async_op}"] = w.is_completed()
+        w.wait()
+        assert all(torch.all(g[p * BIG:(p + 1) * BIG] == p) for p in range(ws)), "allgather"
+    # Through the Python API: dist.all_reduce without async_op is the blocking call.
+    y = torch.ones(BIG)
+    dist.all_reduce(y)
+    assert torch.all(y == ws)
+    return seen
+
+
+def test_synchronous_calls_finish_in_the_call():
+    for rank, seen in enumerate(_dist.run_world(_calls, 2)):
+        for what, done in seen.items():
+            if done is None:
+                continue
+            assert done == ("async_op=False" in what), f"rank {rank}: {what}: completed when the call returned: {done}"
