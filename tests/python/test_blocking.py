@@ -9,6 +9,7 @@ BIG = 3 << 20  # float32 elements: 12 MiB, past the inline start and a half of t
 def _calls(rank, ws):
     import torch
     import torch.distributed as dist
+    from torch._C._distributed_c10d import AllgatherOptions
 
     be = dist.group.WORLD._get_backend(torch.device("cpu"))
     seen = {}
@@ -29,7 +30,7 @@ def _calls(rank, ws):
         w.wait()
         assert torch.all(b == ws - 1), f"broadcast async_op={async_op}"
         g = torch.empty(ws * BIG)
-        o = dist.AllgatherOptions()
+        o = AllgatherOptions()
         o.asyncOp = async_op
         w = be._allgather_base(g, torch.full((BIG,), float(rank)), o)
         seen[f"all_gather_into_tensor async_op={async_op}"] = w.is_completed()
