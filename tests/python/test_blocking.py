@@ -26,7 +26,8 @@ def _calls(rank, ws):
         o.rootRank = ws - 1
         o.asyncOp = async_op
         w = be.broadcast([b], o)
-        seen[f"broadcast async_op={async_op} (rank {rank})"] = w.is_completed() if rank == 0 else None
+        if rank == 0:  # a reader: it copies all 12 MiB itself
+            seen[f"broadcast async_op={async_op}"] = w.is_completed()
         w.wait()
         assert torch.all(b == ws - 1), f"broadcast async_op={async_op}"
         g = torch.empty(ws * BIG)
@@ -46,6 +47,4 @@ def _calls(rank, ws):
 def test_synchronous_calls_finish_in_the_call():
     for rank, seen in enumerate(_dist.run_world(_calls, 2)):
         for what, done in seen.items():
-            if done is None:
-                continue
             assert done == ("async_op=False" in what), f"rank {rank}: {what}: completed when the call returned: {done}"
