@@ -5,6 +5,7 @@
 #include <c10/util/Exception.h>
 
 #ifdef T3D_SHIM_CUDA
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
 #endif
 
@@ -15,11 +16,19 @@ bool cudaStreamsAvailable() {
   return true;
 }
 
+bool cudaDevicesPresent() {
+  return c10::cuda::device_count() > 0;
+}
+
 void* nativeCudaStream(const c10::Stream& stream) {
   return static_cast<void*>(c10::cuda::CUDAStream(stream).stream());
 }
 #else
 bool cudaStreamsAvailable() {
+  return false;
+}
+
+bool cudaDevicesPresent() {
   return false;
 }
 

@@ -8,6 +8,8 @@ namespace t3d_shim {
 
 // Whether this build can hand CUDA streams to the C library (torch was built with CUDA and its headers were found).
 bool cudaStreamsAvailable();
+// Whether this process sees a CUDA device (false without CUDA support or without a GPU).
+bool cudaDevicesPresent();
 // The cudaStream_t behind a CUDA stream; throws when cudaStreamsAvailable() is false.
 void* nativeCudaStream(const c10::Stream& stream);
 

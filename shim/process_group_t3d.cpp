@@ -245,6 +245,11 @@ void ProcessGroupT3D::finishDevice(const OpCtx& c, DevicePending& pending) {
 
 // ---- coalescing -------------------------------------------------------------------------------------------------
 
+bool ProcessGroupT3D::supportsCoalescing() const {
+  static const bool devices = cudaDevicesPresent();
+  return devices;
+}
+
 void ProcessGroupT3D::startCoalescing() {
   OpCtx c = ctx("startCoalescing");
   TORCH_CHECK(!coalescing_, "t3d: startCoalescing on rank ", rank_, " while a coalescing block is already open");
