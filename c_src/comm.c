@@ -80,7 +80,7 @@ t3d_result_t t3d__store_get(t3d_comm_t *comm, const char *key, void **value, siz
  * own core (measured: two ranks on two cores share one about half the time, as the scheduler places a woken task
  * next to its waker): the spin phase is skipped, except by a shared-memory waiter that sees its peer running on
  * another CPU (t3d__backoff_poll_running, shm.h's t3d__shm_cpu). With more ranks than cores every polling thread also takes turns
- * from the ranks that have work: the yield phase is cut to T3D_YIELD_NS_OVERSUBSCRIBED (20 us) and the idle
+ * from the ranks that have work: the yield phase is cut to T3D_YIELD_NS_OVERSUBSCRIBED (200 us) and the idle
  * progress thread stops watching its queue (t3d__backoff_note_ranks, t3d__oversubscribed). With exactly as many, a rank still has
  * about a core to itself, and blocking would cost a wake-up per step of a pipelined operation (measured, 2 ranks:
  * small broadcast 22 -> 45 us, 64 MiB allreduce 86% -> 73% of its bound). */
@@ -111,7 +111,7 @@ void t3d__backoff_note_ranks(int local_ranks) {
   if (local_ranks == cpus) return;
   atomic_store(&oversubscribed, 1);
   if (t3d__env_str("T3D_YIELD_NS", NULL) == NULL) {
-    atomic_store_explicit(&yield_ns, t3d__env_int("T3D_YIELD_NS_OVERSUBSCRIBED", 20000), memory_order_relaxed);
+    atomic_store_explicit(&yield_ns, t3d__env_int("T3D_YIELD_NS_OVERSUBSCRIBED", 200000), memory_order_relaxed);
   }
 }
 

@@ -156,7 +156,7 @@ const char *t3d_thread_last_error(void);
 /* One step of t3d's waiting policy, for a caller's own poll loop (the torch shim's Work::wait): spins or yields once
  * and returns 0 while polling is still worth it, 1 once the caller should block instead. *since is 0 before the
  * first call. The policy: spin ~5 us (T3D_SPIN_NS; not when this host runs as many ranks of a communicator as the
- * process may use cores), then yield for 2 ms (T3D_YIELD_NS; 20 us, T3D_YIELD_NS_OVERSUBSCRIBED, with more ranks
+ * process may use cores), then yield for 2 ms (T3D_YIELD_NS; 200 us, T3D_YIELD_NS_OVERSUBSCRIBED, with more ranks
  * than cores, where every poller takes turns from the ranks that have work). */
 int t3d_backoff_poll(uint64_t *since);
 /* t3d_backoff_poll for a thread waiting on req: also runs the progress req needs (same-host point-to-point is
