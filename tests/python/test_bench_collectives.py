@@ -39,6 +39,7 @@ def test_bench_runs_t3d_and_gloo_side_by_side(tmp_path):
         assert all(r["wrong"] == 0 and r["time_us"] > 0 for r in rows), rows
     md = (tmp_path / "smoke.md").read_text()
     assert "t3d % of bound" in md and "t3d - floor (us)" in md and "| ok |" in md and "WRONG" not in md
+    assert data["results"]["_copy_all_cores"] > 0 and "Copy bandwidth with every core copying at once" in md
     assert (tmp_path / "smoke.png").stat().st_size > 0
 
 
@@ -144,3 +145,27 @@ def test_the_switch_floor_is_shown_beside_the_ten_times_target():
     assert verdict == "not met" and "one switch per call alone takes 15.0-15.0x" in detail
     md = bc.render(res, 8, 10e9, {}, two)
     assert "floor, one switch per call (us)" in md and "| 90.0 |" in md
+
+
+def test_a_miss_is_set_against_the_fastest_any_implementation_could_be():
+    mib = 1 << 20
+    res = {"_copy_all_cores": 20e9,
+           "t3d": [_row("all_to_all", mib, 100.0), _row("all_to_all", 16 * mib, 12000.0),
+                   _row("send_recv", 16 * mib, 25000.0)],
+           "gloo": [_row("all_to_all", mib, 400.0), _row("all_to_all", 16 * mib, 37000.0),
+                    _row("send_recv", 16 * mib, 100000.0)]}
+    # all_to_all 16 MiB, 8 ranks: at least 2n * S = 256 MiB read + written, 13.4 ms at 20 GB/s: gloo / 5 is 7.4 ms.
+    assert bc.fastest_possible_us("all_to_all", 8, 16 * mib, 20e9, cores=2) == pytest.approx(16 * 16 * mib / 20e3)
+    # 1 MiB: 16 MiB of buffers, less than the copy test's 256 MiB on 2 cores, where caches may beat its bandwidth.
+    assert bc.fastest_possible_us("all_to_all", 8, mib, 20e9, cores=2) is None
+    verdict, detail = _verdicts(bc.targets(res, 8, 10e9, cores=2))["8 ranks on 2 cores: every op >= 5x gloo from 1 MiB"]
+    assert verdict == "not met"
+    missed, beyond = detail.split("Beyond any implementation")
+    assert "all_to_all 1 MiB 4.00x" in missed and "send_recv 16 MiB 4.00x" in missed
+    assert "all_to_all 16 MiB (gloo 37000 us" in beyond and "at most 2.76x" in beyond
+    assert "1 MiB" not in beyond, "no floor where caches may hold the buffers"
+    assert "send_recv" not in beyond, "send_recv 16 MiB could reach 5x gloo here: 7.45x at most"
+    del res["_copy_all_cores"]
+    assert "Beyond" not in _verdicts(bc.targets(res, 8, 10e9, cores=2))[
+        "8 ranks on 2 cores: every op >= 5x gloo from 1 MiB"][1], "runs without the measurement make no such claim"
+
