@@ -87,6 +87,33 @@ int t3d__shm_cma_read(int self_pid, int pid, void *dst, uint64_t addr, size_t le
   return 0;
 }
 
+/* Rank 0's choice of the single-copy ranges for the group (cma: every rank can read the others' memory).
+ * T3D_SHM_DIRECT_BYTES / T3D_SHM_DIRECT_MAX_BYTES, when set, give both ranges. Otherwise: blocks of 64 KiB to
+ * 8 MiB when each rank has a core. With more ranks than cores, where copies are not what bounds a collective,
+ * allgather keeps the segment (8 ranks on 2 cores: up to 1.5x slower with single copy, since each block is read by
+ * n - 1 readers from the owner's process instead of from the cached segment). alltoall reads each block once, and
+ * single copy halves its bytes: it wins there from 32 KiB blocks for as long as all n * n blocks together stay
+ * within 32 MiB, past which the kernel's copy (no non-temporal stores) loses (measured, oversubscribed 2 cores:
+ * 8 ranks 1.4-1.5x faster for 32-512 KiB blocks, even at 1 MiB, slower at 2 MiB; 4 ranks faster up to 2 MiB; and
+ * 2 ranks with a core each lose past 8 MiB: the same 32 MiB). docs/architecture.md, "Single copy". */
+static void direct_ranges(t3d_shm_t *s, int n, int cma) {
+  int64_t lo = t3d__env_int("T3D_SHM_DIRECT_BYTES", T3D_SHM_DIRECT_MIN_DEFAULT);
+  int64_t hi = t3d__env_int("T3D_SHM_DIRECT_MAX_BYTES", T3D_SHM_DIRECT_MAX_DEFAULT);
+  int asked = t3d__env_str("T3D_SHM_DIRECT_BYTES", NULL) != NULL;
+  int over = t3d__oversubscribed();
+  int direct = cma && (asked || !over) && lo > 0 && hi >= lo;
+  s->direct_min = direct ? (size_t)lo : 0;
+  s->direct_max = direct ? (size_t)hi : 0;
+  s->a2a_direct_min = s->direct_min;
+  s->a2a_direct_max = s->direct_max;
+  if (cma && over && !asked && n > 1) {
+    size_t amax = T3D_SHM_A2A_DIRECT_TOTAL / ((size_t)n * (size_t)n);
+    int on = amax >= T3D_SHM_A2A_DIRECT_MIN_OVERSUBSCRIBED;
+    s->a2a_direct_min = on ? T3D_SHM_A2A_DIRECT_MIN_OVERSUBSCRIBED : 0;
+    s->a2a_direct_max = on ? amax : 0;
+  }
+}
+
 /* Rank 0: creates, sizes and maps the segment. On failure writes the reason into err. */
 static t3d_result_t create_segment(t3d_comm_t *comm, t3d_shm_t *s, size_t rank_bytes, char *err, size_t errlen) {
   size_t half = round_up(rank_bytes / 2, T3D_SHM_PAGE);
@@ -269,15 +296,10 @@ t3d_result_t t3d__shm_init(t3d_comm_t *comm, t3d_shm_t **out) {
     }
     shm_unlink(s->name);
     s->p2p_ok = (all_bits & PROBE_P2P) != 0;
-    /* Single copy loses to the segment with more ranks than cores (measured, 8 ranks on 2 cores: allgather up to
-     * 1.8x slower), where copies are not what bounds a collective: off there unless T3D_SHM_DIRECT_BYTES is set. */
-    int64_t lo = t3d__env_int("T3D_SHM_DIRECT_BYTES", T3D_SHM_DIRECT_MIN_DEFAULT);
-    int64_t hi = t3d__env_int("T3D_SHM_DIRECT_MAX_BYTES", T3D_SHM_DIRECT_MAX_DEFAULT);
-    int asked = t3d__env_str("T3D_SHM_DIRECT_BYTES", NULL) != NULL;
-    int direct = (all_bits & PROBE_CMA) && (asked || !t3d__oversubscribed()) && lo > 0 && hi >= lo;
-    s->direct_min = direct ? (size_t)lo : 0;
-    s->direct_max = direct ? (size_t)hi : 0;
-    if (peers == T3D_OK) snprintf(msg, sizeof msg, "1 %d %zu %zu", s->p2p_ok, s->direct_min, s->direct_max);
+    direct_ranges(s, comm->size, (all_bits & PROBE_CMA) != 0);
+    if (peers == T3D_OK)
+      snprintf(msg, sizeof msg, "1 %d %zu %zu %zu %zu", s->p2p_ok, s->direct_min, s->direct_max, s->a2a_direct_min,
+               s->a2a_direct_max);
     else snprintf(msg, sizeof msg, "!%s", err);
     res = t3d__store_set(comm, "shm/ready", msg, strlen(msg) + 1);
     if (peers != T3D_OK) {
@@ -315,8 +337,9 @@ t3d_result_t t3d__shm_init(t3d_comm_t *comm, t3d_shm_t **out) {
     if (res != T3D_OK) goto fail;
     T3D_CHECK_GOTO(t3d__store_get(comm, "shm/ready", &v, &len), res, fail);
     int p2p_ok = 0;
-    unsigned long long dmin = 0, dmax = 0;
-    if (len == 0 || ((char *)v)[len - 1] != '\0' || sscanf((char *)v, "1 %d %llu %llu", &p2p_ok, &dmin, &dmax) != 3) {
+    unsigned long long dmin = 0, dmax = 0, amin = 0, amax = 0;
+    if (len == 0 || ((char *)v)[len - 1] != '\0' ||
+        sscanf((char *)v, "1 %d %llu %llu %llu %llu", &p2p_ok, &dmin, &dmax, &amin, &amax) != 5) {
       res = t3d__set_error(comm, T3D_ERR_SYSTEM, "t3d_comm_init: rank %d of group '%s': shared memory set-up failed: "
                            "%.*s", comm->rank, comm->name, (int)(len > 1 ? len - 2 : 0), len > 1 ? (char *)v + 1 : "");
       goto fail;
@@ -324,13 +347,16 @@ t3d_result_t t3d__shm_init(t3d_comm_t *comm, t3d_shm_t **out) {
     s->p2p_ok = p2p_ok;
     s->direct_min = (size_t)dmin;
     s->direct_max = (size_t)dmax;
+    s->a2a_direct_min = (size_t)amin;
+    s->a2a_direct_max = (size_t)amax;
     free(v);
     v = NULL;
   }
   read_tuning(s);
-  T3D_INFO("group '%s' rank %d: shared memory %s, %zu bytes, halves of %zu bytes, point-to-point %s, single-copy "
-           "collectives for blocks of %zu to %zu bytes (0: off)", comm->name, comm->rank, s->name, s->map_bytes,
-           s->half, s->p2p_ok ? "over shared memory" : "over UCX", s->direct_min, s->direct_max);
+  T3D_INFO("group '%s' rank %d: shared memory %s, %zu bytes, halves of %zu bytes, point-to-point %s, single copy "
+           "for allgather blocks of %zu to %zu bytes and alltoall blocks of %zu to %zu (0: off)", comm->name,
+           comm->rank, s->name, s->map_bytes, s->half, s->p2p_ok ? "over shared memory" : "over UCX", s->direct_min,
+           s->direct_max, s->a2a_direct_min, s->a2a_direct_max);
   *out = s;
   return T3D_OK;
 fail:

@@ -83,9 +83,11 @@ struct t3d_shm {
   size_t p2p_eager;
   unsigned p2p_slots;
   int p2p_ok;         /* every rank can use the region (cross-memory attach works, T3D_SHM_P2P is not 0) */
-  size_t direct_min;  /* allgatherv / alltoallv blocks of direct_min to direct_max bytes are read straight from the
-                       * owner's buffer (shm_coll.c, "single copy"); 0: never (rank 0's choice for all) */
+  size_t direct_min;  /* allgatherv blocks of direct_min to direct_max bytes are read straight from the owner's
+                       * buffer (shm_coll.c, "single copy"); 0: never (rank 0's choice for all) */
   size_t direct_max;
+  size_t a2a_direct_min; /* the same for alltoallv blocks, whose range differs when oversubscribed */
+  size_t a2a_direct_max;
   int pid;            /* this process */
   t3d_shm_p2p_t *p2p; /* the communicator's point-to-point over the region, once made (comm.c) */
   int *pending;       /* scratch: ranks still awaited */
@@ -215,6 +217,10 @@ int t3d__shm_cma_read(int self_pid, int pid, void *dst, uint64_t addr, size_t le
 /* Defaults of T3D_SHM_DIRECT_BYTES and T3D_SHM_DIRECT_MAX_BYTES (docs/architecture.md, "Single copy"). */
 #define T3D_SHM_DIRECT_MIN_DEFAULT (64 * 1024)
 #define T3D_SHM_DIRECT_MAX_DEFAULT (8 * 1024 * 1024)
+/* With more ranks than cores, alltoall blocks from this size, while all n * n blocks together stay within
+ * T3D_SHM_A2A_DIRECT_TOTAL (allgather: never). */
+#define T3D_SHM_A2A_DIRECT_MIN_OVERSUBSCRIBED (32 * 1024)
+#define T3D_SHM_A2A_DIRECT_TOTAL (32 * 1024 * 1024)
 
 /* ---------- point-to-point (p2p.c) ---------- */
 #define T3D_SHM_P2P_RECORDS 256u

@@ -33,17 +33,21 @@ static t3d_result_t check_all_info(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_s
 }
 
 /* ---------- single copy ----------
- * Blocks of allgatherv and alltoallv of direct_min to direct_max bytes skip the segment: their owner publishes
- * where the block is (allgatherv: the addr and pid of its info line; alltoallv: a table in its step-0 half),
- * readers copy it straight from there (process_vm_readv: one copy instead of two, into the half and out of it),
- * and the owner returns only once every reader says it is done, because its buffer may change after that. All
- * ranks choose alike: rank 0 set the bounds for everyone at init (none unless every rank can read the others'
- * memory and the host's cores are not oversubscribed), and the sizes compared with them are the same on every rank
- * (allgatherv) or learned from every rank's step 0 (alltoallv). docs/architecture.md, "Single copy", has the
- * measurements behind the bounds. */
+ * Blocks of allgatherv (alltoallv) of direct_min to direct_max (a2a_direct_min to a2a_direct_max) bytes skip the
+ * segment: their owner publishes where the block is (allgatherv: the addr and pid of its info line; alltoallv: a
+ * table in its step-0 half), readers copy it straight from there (process_vm_readv: one copy instead of two, into
+ * the half and out of it), and the owner returns only once every reader says it is done, because its buffer may
+ * change after that. All ranks choose alike: rank 0 set the ranges for everyone at init (shm.c, direct_ranges:
+ * none unless every rank can read the others' memory; with more ranks than cores, alltoall's only), and the sizes
+ * compared with them are the same on every rank (allgatherv) or learned from every rank's step 0 (alltoallv).
+ * docs/architecture.md, "Single copy", has the measurements behind the ranges. */
 
 static int use_direct(const t3d_shm_t *s, size_t block) {
   return s->direct_min != 0 && block >= s->direct_min && block <= s->direct_max;
+}
+
+static int use_a2a_direct(const t3d_shm_t *s, size_t block) {
+  return s->a2a_direct_min != 0 && block >= s->a2a_direct_min && block <= s->a2a_direct_max;
 }
 
 /* Copies len bytes at addr in rank p's process (pid) into dst. */
@@ -763,7 +767,7 @@ static t3d_result_t a2a_steps(a2a_ctx_t *c, size_t from, const char *sb, size_t 
   int me = s->rank;
   size_t es = c->es, local_max = a2a_local_max(s->size, me, scounts, es);
   for (size_t lo = from; lo == 0 || lo < c->gmax; lo += c->piece) {
-    if (lo > 0 && use_direct(s, c->gmax)) {
+    if (lo > 0 && use_a2a_direct(s, c->gmax)) {
       T3D_CHECK(a2a_direct_rest(c, lo));
       break;
     }
@@ -827,7 +831,7 @@ t3d_result_t t3d__shm_alltoallv(t3d_exec_t *ex, const void *sendbuf, const size_
                                  &copy));
   t3d_result_t res;
   size_t blk = scounts[0] * es;
-  if (equal && s->size > 1 && use_direct(s, blk)) {
+  if (equal && s->size > 1 && use_a2a_direct(s, blk)) {
     res = a2a_equal_direct(s, ex, sb + (sdispls[0] * es - sbias), (char *)recvbuf + rdispls[0] * es, blk);
   } else {
     a2a_ctx_t c = a2a_ctx(s, ex, recvbuf, scounts, rcounts, rdispls, es);
@@ -840,7 +844,7 @@ t3d_result_t t3d__shm_alltoallv(t3d_exec_t *ex, const void *sendbuf, const size_
 /* In parts: step 0 published by start, collected (and any further steps run) by finish. The caller made sure that
  * the receive blocks do not overlap the send blocks, so no copy of the input is needed. */
 int t3d__shm_a2a_fits(t3d_shm_t *s, size_t max_send_block_bytes, int equal) {
-  if (max_send_block_bytes > a2a_piece(s) || (equal && use_direct(s, max_send_block_bytes))) return 0;
+  if (max_send_block_bytes > a2a_piece(s) || (equal && use_a2a_direct(s, max_send_block_bytes))) return 0;
   return next_half_free(s);
 }
 

@@ -7,6 +7,7 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -72,6 +73,7 @@ struct ChildArgs {
   Death death;
   std::string log;  // non-empty: T3D_DEBUG=INFO into files with this prefix
   bool gather;      // the loop runs allgathers of blocks that are read from their owners (single copy)
+  bool default_ranges;  // leave T3D_SHM_DIRECT_BYTES unset: the library's own single-copy ranges
 };
 
 // The body of a child process: init, then allreduce (or allgather) in a loop until the planned death shows as an
@@ -81,8 +83,9 @@ struct ChildArgs {
     setenv("T3D_DEBUG", "INFO", 1);
     setenv("T3D_DEBUG_FILE", a.log.c_str(), 1);
   }
-  // Single copy is off by default with more ranks than cores (3 here on 2 cores); setting the size turns it on.
-  setenv("T3D_SHM_DIRECT_BYTES", "65536", 1);
+  // Single copy of allgather blocks is off by default with more ranks than cores (3 here on 2 cores); setting the
+  // size turns it on for both allgather and alltoall.
+  if (!a.default_ranges) setenv("T3D_SHM_DIRECT_BYTES", "65536", 1);
   FileStore store(a.dir);
   t3d_config_t cfg;
   t3d_config_init(&cfg);
@@ -271,7 +274,8 @@ std::string ReadAll(int fd) {
 
 // Forks kWorld children, plays the parent's part of `death`, and waits for all of them under a hard deadline
 // (killing every child when it passes). Returns each child's wait status; -1 for one that had to be killed.
-std::vector<int> RunChildren(Death death, std::string *reports, const std::string &log = "", bool gather = false) {
+std::vector<int> RunChildren(Death death, std::string *reports, const std::string &log = "", bool gather = false,
+                             bool default_ranges = false) {
   const std::string dir = "/tmp/" + UniqueName("t3d-fork");
   FileStore store(dir);
   int report_pipe[2], ready_pipe[2];
@@ -291,7 +295,7 @@ std::vector<int> RunChildren(Death death, std::string *reports, const std::strin
     if (pid == 0) {
       close(report_pipe[0]);
       close(ready_pipe[0]);
-      ChildArgs a{rank, dir, "fork", report_pipe[1], ready_pipe[1], death, log, gather};
+      ChildArgs a{rank, dir, "fork", report_pipe[1], ready_pipe[1], death, log, gather, default_ranges};
       ChildMain(a);
     }
     pids[rank] = pid;
@@ -375,14 +379,13 @@ void ExpectExitedOk(const std::vector<int> &status, int rank, const std::string 
       << (WIFEXITED(st) ? ExitMeaning(WEXITSTATUS(st)) : "signal") << ")\nchild reports:\n" << reports;
 }
 
-// The clean run also checks, in the ranks' INFO logs, that the paths it means to cover were the ones taken:
-// point-to-point over shared memory and single-copy collectives (both need cross-memory attach between processes).
-TEST(Fork, CleanRunOverFileStore) {
+// A clean run whose ranks log at INFO level; returns their logs (and removes the files).
+std::string CleanRunLogs(bool default_ranges) {
   std::string reports;
   const std::string log = "/tmp/" + UniqueName("t3d-fork-log");
-  std::vector<int> status = RunChildren(Death::kNone, &reports, log);
-  ASSERT_EQ(status.size(), static_cast<size_t>(kWorld));
-  for (int r = 0; r < kWorld; ++r) ExpectExitedOk(status, r, reports);
+  std::vector<int> status = RunChildren(Death::kNone, &reports, log, false, default_ranges);
+  EXPECT_EQ(status.size(), static_cast<size_t>(kWorld));
+  for (int r = 0; r < static_cast<int>(status.size()); ++r) ExpectExitedOk(status, r, reports);
   std::string logs;
   const std::string dir = "/tmp", base = log.substr(5) + ".";
   if (DIR *d = opendir(dir.c_str())) {
@@ -398,12 +401,42 @@ TEST(Fork, CleanRunOverFileStore) {
     }
     closedir(d);
   }
-  size_t lines = 0;
-  const char *want = "point-to-point over shared memory, single-copy collectives for blocks of 65536 to 8388608 bytes";
-  for (size_t at = 0; (at = logs.find(want, at)) != std::string::npos; ++at)
-    lines++;
-  EXPECT_EQ(lines, static_cast<size_t>(kWorld)) << "every rank should log that it runs point-to-point over shared "
-                                                    "memory and single-copy collectives; logs:\n" << logs;
+  return logs;
+}
+
+size_t Count(const std::string &text, const std::string &what) {
+  size_t n = 0;
+  for (size_t at = 0; (at = text.find(what, at)) != std::string::npos; ++at) n++;
+  return n;
+}
+
+// The clean run also checks, in the ranks' INFO logs, that the paths it means to cover were the ones taken:
+// point-to-point over shared memory and single-copy collectives (both need cross-memory attach between processes).
+TEST(Fork, CleanRunOverFileStore) {
+  const std::string logs = CleanRunLogs(false);
+  const char *want = "point-to-point over shared memory, single copy for allgather blocks of 65536 to 8388608 bytes "
+                     "and alltoall blocks of 65536 to 8388608";
+  EXPECT_EQ(Count(logs, want), static_cast<size_t>(kWorld))
+      << "every rank should log that it runs point-to-point over shared memory and single-copy collectives; logs:\n"
+      << logs;
+}
+
+// Without T3D_SHM_DIRECT_BYTES the ranges follow the cores: with a core per rank, blocks of 64 KiB to 8 MiB for
+// both; with more ranks than cores, none for allgather and, for alltoall, 32 KiB up to where all n * n blocks
+// together reach 32 MiB (docs/architecture.md, "Single copy"). The run's alltoall blocks (400 kB) are in range
+// either way.
+TEST(Fork, DefaultSingleCopyRangesFollowTheCores) {
+  long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) < cpus) cpus = CPU_COUNT(&set);
+  const std::string want = kWorld > cpus
+      ? "single copy for allgather blocks of 0 to 0 bytes and alltoall blocks of 32768 to " +
+            std::to_string((32u << 20) / (kWorld * kWorld)) + " "
+      : std::string("single copy for allgather blocks of 65536 to 8388608 bytes and alltoall blocks of 65536 to "
+                    "8388608 ");
+  const std::string logs = CleanRunLogs(true);
+  EXPECT_EQ(Count(logs, want), static_cast<size_t>(kWorld))
+      << kWorld << " ranks on " << cpus << " cores: every rank should log '" << want << "'; logs:\n" << logs;
 }
 
 void ExpectSurvivorsReported(Death death, bool gather = false) {
