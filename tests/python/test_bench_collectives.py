@@ -27,7 +27,7 @@ def test_bench_runs_t3d_and_gloo_side_by_side(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "t3d.bench", "collectives", "--nproc", "2", "--backends", "t3d,gloo,nosuch",
            "--ops", "all_reduce,all_to_all,send_recv", "--min", "8", "--max", "2K", "--out", str(tmp_path),
-           "--tag", "smoke", "--timeout", "200"]
+           "--tag", "smoke", "--timeout", "200", "--repeat", "2"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=230, env=env)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     data = json.loads((tmp_path / "smoke.json").read_text())
@@ -36,7 +36,7 @@ def test_bench_runs_t3d_and_gloo_side_by_side(tmp_path):
     for backend in ("t3d", "gloo"):
         rows = data["results"][backend]
         assert {r["op"] for r in rows} == {"all_reduce", "all_to_all", "send_recv"}
-        assert all(r["wrong"] == 0 and r["time_us"] > 0 for r in rows), rows
+        assert all(r["wrong"] == 0 and r["time_us"] > 0 and len(r["time_us_runs"]) == 2 for r in rows), rows
     md = (tmp_path / "smoke.md").read_text()
     assert "t3d % of bound" in md and "t3d - floor (us)" in md and "| ok |" in md and "WRONG" not in md
     assert data["results"]["_copy_all_cores"] > 0 and "Copy bandwidth with every core copying at once" in md
@@ -169,3 +169,16 @@ def test_a_miss_is_set_against_the_fastest_any_implementation_could_be():
     assert "Beyond" not in _verdicts(bc.targets(res, 8, 10e9, cores=2))[
         "8 ranks on 2 cores: every op >= 5x gloo from 1 MiB"][1], "runs without the measurement make no such claim"
 
+
+
+def test_repeated_runs_report_each_rows_median_and_any_wrong_result():
+    runs = [[_row("all_reduce", 8, 10.0, floor_us=5.0), _row("broadcast", 8, 3.0)],
+            [_row("all_reduce", 8, 90.0, floor_us=6.0), _row("broadcast", 8, 4.0)],
+            [_row("all_reduce", 8, 12.0, floor_us=4.0), dict(_row("broadcast", 8, 5.0), wrong=1)]]
+    ar, bc_row = bc.median_rows(runs)
+    assert ar["time_us"] == 12.0 and ar["floor_us"] == 5.0, "one slow run moves one sample, not the row"
+    assert ar["time_us_runs"] == [10.0, 90.0, 12.0] and ar["wrong"] == 0
+    assert bc_row["time_us"] == 4.0 and bc_row["wrong"] == 1, "a wrong result in any run marks the row"
+    assert bc.median_rows(runs[:1]) == runs[0]
+    md = bc.render({"_load": 0.0, "_repeat": 3, "t3d": [ar, bc_row]}, 2, 10e9, {})
+    assert "ran 3 times" in md and "WRONG" in md

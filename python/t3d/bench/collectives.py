@@ -482,6 +482,9 @@ def render(results: dict, n: int, B: float, skipped: dict, two_rank: dict | None
                      "that alone costs.")
     lines.append("Timed loops only communicate (as in nccl-tests): buffers are not re-initialised inside them; the "
                  "check sets known inputs and runs the op once more.")
+    if results.get("_repeat", 1) > 1:
+        lines.append(f"Every backend ran {results['_repeat']} times, the backends taking turns; each time below is "
+                     "the median of its runs (the JSON has every run's).")
     for name, why in skipped.items():
         lines.append(f"Skipped {name}: {why}")
     backends = [b for b in results if not b.startswith("_")]
@@ -724,6 +727,8 @@ def add_parser(sub) -> None:
     p.add_argument("--out", default=None, help="directory for JSON/markdown/PNG (default docs/benchmarks)")
     p.add_argument("--tag", default=None, help="file name stem (default collectives-<n>ranks)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per backend")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run every backend this many times, alternating, and report each row's median")
     p.add_argument("--render", default=None, metavar="JSON",
                    help="run nothing: rewrite the markdown (and PNG) of a saved run's JSON beside it")
 
@@ -751,6 +756,25 @@ def _rerender(path: str) -> int:
     return 0
 
 
+def median_rows(runs: list[list[dict]]) -> list[dict]:
+    """One row per (op, size) from several runs of a backend: the median of each time (a run's slow spell moves
+    one sample, not the row), any run's wrong result, and every run's time under time_us_runs."""
+    if len(runs) == 1:
+        return runs[0]
+    import statistics
+
+    out = []
+    for i, first in enumerate(runs[0]):
+        same = [rows[i] for rows in runs]
+        assert all(r["op"] == first["op"] and r["bytes"] == first["bytes"] for r in same), "runs disagree on rows"
+        row = dict(first, wrong=max(r["wrong"] for r in same), time_us_runs=[r["time_us"] for r in same])
+        for key in ("time_us", "floor_us", "switch_floor_us"):
+            if key in first:
+                row[key] = statistics.median(r[key] for r in same)
+        out.append(row)
+    return out
+
+
 def run(args) -> int:
     if args.render:
         return _rerender(args.render)
@@ -768,6 +792,7 @@ def run(args) -> int:
     print(f"copy bandwidth B = {B / 1e9:.1f} GB/s (read+write, one thread), "
           f"{results['_copy_all_cores'] / 1e9:.1f} GB/s with every core copying; load {results['_load']:.1f}",
           flush=True)
+    backends = []
     for b in [x for x in args.backends.split(",") if x]:
         if b not in ("t3d", "gloo", "mpi"):
             skipped[b] = "unknown backend (choose among t3d, gloo, mpi)"
@@ -779,16 +804,28 @@ def run(args) -> int:
                 skipped["mpi (Open MPI via mpi4py)"] = why
                 print(f"skipping mpi: {why}", flush=True)
                 continue
-        t0 = time.time()
-        try:
-            rows = run_mpi(n, ops, sizes, args.timeout) if b == "mpi" else run_torch_backend(b, n, ops, sizes,
-                                                                                            args.timeout)
-        except Exception as exc:  # a peer that fails is reported, not fatal to the others
-            skipped[b] = str(exc)
-            print(f"{b} failed: {exc}", flush=True)
-            continue
-        results[b] = rows
-        print(f"{b}: {len(rows)} rows in {time.time() - t0:.0f} s", flush=True)
+        backends.append(b)
+    if args.repeat < 1:
+        print("t3d-bench: --repeat must be at least 1", file=sys.stderr)
+        return 2
+    runs: dict = {b: [] for b in backends}
+    for rep in range(args.repeat):  # backends alternate, so that a slow spell of the machine hits each alike
+        for b in [x for x in backends if x not in skipped]:
+            t0 = time.time()
+            try:
+                rows = run_mpi(n, ops, sizes, args.timeout) if b == "mpi" else run_torch_backend(b, n, ops, sizes,
+                                                                                                args.timeout)
+            except Exception as exc:  # a peer that fails is reported, not fatal to the others
+                skipped[b] = str(exc)
+                print(f"{b} failed: {exc}", flush=True)
+                continue
+            runs[b].append(rows)
+            print(f"{b}: {len(rows)} rows in {time.time() - t0:.0f} s (run {rep + 1} of {args.repeat})", flush=True)
+    for b in backends:
+        if b not in skipped:
+            results[b] = median_rows(runs[b])
+    if args.repeat > 1:
+        results["_repeat"] = args.repeat
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     out = args.out or os.path.join(root, "docs", "benchmarks")
     md = render(results, n, B, skipped, _two_rank_beside(out, n))
