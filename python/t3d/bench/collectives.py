@@ -593,7 +593,8 @@ def _two_rank_targets(results: dict, B: float, peers: list[str]) -> list[str]:
     floors = [r["floor_us"] for r in small.values() if "floor_us" in r]
     verdict = _verdict(bad, checked, f"{checked} rows")
     if bad and floors:  # a peer that is not called through torch.distributed skips the floor altogether
-        floor = f"{min(floors):.1f}-{max(floors):.1f} us"
+        lo, hi = f"{min(floors):.1f}", f"{max(floors):.1f}"
+        floor = f"{lo} us" if lo == hi else f"{lo}-{hi} us"
         verdict = (verdict[0], f"{verdict[1]} (torch's dispatch floor alone: {floor})")
     out.append(_line("all_reduce 8 B-4 KiB faster than every peer", verdict))
     return out
