@@ -9,6 +9,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <getopt.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -311,6 +312,50 @@ static void print_memcpy_reference(void) {
   free(b);
 }
 
+/* With more ranks than cores, a collective that needs every rank's input finishes a call only after every rank has
+ * run since the last one: n processes on c cores, each giving up its core once per call, are what that alone costs.
+ * n processes call sched_yield() in a loop, started together; the slowest one's time per call is the floor. */
+static void print_switch_floor(int n) {
+  long cores = sysconf(_SC_NPROCESSORS_ONLN);
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) < cores) cores = CPU_COUNT(&set);
+  if (cores <= 0 || n <= cores) return;
+  const int iters = 20000;
+  double *took = mmap(NULL, (size_t)n * sizeof(double) + 64, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS,
+                      -1, 0);
+  if (took == MAP_FAILED) return;
+  volatile int *go = (volatile int *)(took + n);
+  *go = 0;
+  pid_t *pids = calloc((size_t)n, sizeof(pid_t));
+  int started = 0;
+  for (int r = 0; r < n && pids != NULL; r++, started++) {
+    pids[r] = fork();
+    if (pids[r] < 0) break;
+    if (pids[r] == 0) {
+      while (!__atomic_load_n(go, __ATOMIC_ACQUIRE)) sched_yield();
+      double t0 = now_s();
+      for (int i = 0; i < iters; i++) sched_yield();
+      took[r] = (now_s() - t0) / iters;
+      _exit(0);
+    }
+  }
+  __atomic_store_n(go, 1, __ATOMIC_RELEASE);
+  double worst = 0;
+  int ok = pids != NULL && started == n;
+  for (int r = 0; r < started; r++) {
+    int st = 0;
+    waitpid(pids[r], &st, 0);
+    ok = ok && WIFEXITED(st) && WEXITSTATUS(st) == 0;
+    if (took[r] > worst) worst = took[r];
+  }
+  if (ok) {
+    printf("# switch floor (%d processes on %ld cores, each calling sched_yield() once per call, nothing else): "
+           "%.2f us per call\n", n, cores, worst * 1e6);
+  }
+  free(pids);
+  munmap(took, (size_t)n * sizeof(double) + 64);
+}
+
 int main(int argc, char **argv) {
   opts_t o = {.nranks = 2, .minb = 8, .maxb = 256u << 20, .factor = 2, .transports = 3, .check = 1};
   for (int i = 0; i < OP_COUNT; i++) o.ops[i] = 1;
@@ -342,6 +387,7 @@ int main(int argc, char **argv) {
   printf("# t3d_bench_c: %d ranks (processes), t3d %s, %s\n", o.nranks, t3d_version_string(),
          t3d_ucx_version_string());
   print_memcpy_reference();
+  print_switch_floor(o.nranks);
   fflush(stdout);
 
   fstore_t fs;
