@@ -481,7 +481,7 @@ static t3d_result_t finish_inline(t3d_exec_t *ex, t3d_request_t *r) {
     case T3D_OP_ALLGATHERV: return t3d__shm_gather_finish(ex, &r->rs, r->recvbuf, r->rcounts, r->rdispls, es);
     case T3D_OP_ALLTOALLV:
       return t3d__shm_a2a_finish(ex, &r->rs, r->sendbuf, r->scounts, r->sdispls, r->recvbuf, r->rcounts, r->rdispls,
-                                 es);
+                                 es, r->equal_blocks);
     case T3D_OP_REDUCE_SCATTERV:
       n = r->rcounts[ex->rank];
       T3D_CHECK(t3d__shm_rs_finish(ex, &r->rs, r->sendbuf, r->recvbuf, r->rcounts, dt, op));
@@ -510,7 +510,7 @@ t3d_result_t t3d__execute_start(t3d_exec_t *ex, t3d_request_t *r) {
       T3D_CHECK(t3d__shm_gather_start(ex, r->sendbuf, r->recvbuf, r->rcounts, r->rdispls, es, &r->rs));
       break;
     case T3D_OP_ALLTOALLV:
-      T3D_CHECK(t3d__shm_a2a_start(ex, r->sendbuf, r->scounts, r->sdispls, es, &r->rs));
+      T3D_CHECK(t3d__shm_a2a_start(ex, r->sendbuf, r->scounts, r->sdispls, es, r->equal_blocks, &r->rs));
       break;
     case T3D_OP_REDUCE_SCATTERV:
       T3D_CHECK(t3d__shm_rs_start(ex, r->sendbuf, r->rcounts, r->dtype, &r->rs));

@@ -203,13 +203,15 @@ t3d_result_t t3d__shm_barrier(t3d_exec_t *ex);
  *   broadcast: bcast_*, when bcast_fits (one half; the root needs it free); the root is done after start; the
  *              others wait for who = root.
  *   barrier:   barrier_*; who = -1.
- *   allgatherv: gather_*, when gather_fits (every block fits one half, which must be free); who = -1; counts
- *              and displacements in elements of es bytes.
+ *   allgatherv: gather_*, when gather_fits (every block fits one half or is in the single-copy range; the next
+ *              half must be free); who = -1; counts and displacements in elements of es bytes. Single copy's
+ *              finish also waits until every peer has read this rank's block.
  *   reduce_scatterv: rs_*, when rs_fits (one step; the half must be free) and the output does not overlap the
  *              input; who = -1 (a rank whose own block is empty waits for nobody: finish right after start).
- *   alltoallv: a2a_*, when a2a_fits (this rank's blocks to others fit one piece of a half, which must be free)
- *              and the receive blocks do not overlap the send blocks; who = -1. Finish runs any further steps
- *              that peers with larger blocks need. */
+ *   alltoallv: a2a_*, when a2a_fits (this rank's blocks to others fit one piece of a half, or are equal blocks
+ *              (equal: from t3d_alltoall) in the single-copy range; the next half must be free) and the receive
+ *              blocks do not overlap the send blocks; who = -1. Finish runs any further steps that peers with
+ *              larger blocks need, or, for single copy, waits until every peer has read this rank's blocks. */
 typedef struct t3d_shm_resume {
   int h;
   uint64_t base;
@@ -240,10 +242,10 @@ t3d_result_t t3d__shm_rs_finish(t3d_exec_t *ex, const t3d_shm_resume_t *rs, cons
                                 const size_t *counts, t3d_dtype_t dt, t3d_redop_t op);
 int t3d__shm_a2a_fits(t3d_shm_t *shm, size_t max_send_block_bytes, int equal);
 t3d_result_t t3d__shm_a2a_start(t3d_exec_t *ex, const void *sendbuf, const size_t *scounts, const size_t *sdispls,
-                                size_t es, t3d_shm_resume_t *rs);
+                                size_t es, int equal, t3d_shm_resume_t *rs);
 t3d_result_t t3d__shm_a2a_finish(t3d_exec_t *ex, const t3d_shm_resume_t *rs, const void *sendbuf,
                                  const size_t *scounts, const size_t *sdispls, void *recvbuf, const size_t *rcounts,
-                                 const size_t *rdispls, size_t es);
+                                 const size_t *rdispls, size_t es, int equal);
 void t3d__shm_barrier_start(t3d_exec_t *ex, t3d_shm_resume_t *rs);
 t3d_result_t t3d__shm_barrier_finish(t3d_exec_t *ex, const t3d_shm_resume_t *rs);
 

@@ -88,8 +88,9 @@ int t3d__shm_cma_read(int self_pid, int pid, void *dst, uint64_t addr, size_t le
 }
 
 /* Rank 0's choice of the single-copy ranges for the group (cma: every rank can read the others' memory).
- * T3D_SHM_DIRECT_BYTES / T3D_SHM_DIRECT_MAX_BYTES, when set, give both ranges. Otherwise: blocks of 64 KiB to
- * 8 MiB when each rank has a core. With more ranks than cores, where copies are not what bounds a collective,
+ * T3D_SHM_DIRECT_BYTES / T3D_SHM_DIRECT_MAX_BYTES, when set, give both ranges. Otherwise: blocks of 16 KiB to
+ * 8 MiB when each rank has a core (2 ranks: 32-64 KiB allgather and alltoall 2x faster than through the segment,
+ * 4 KiB blocks even). With more ranks than cores, where copies are not what bounds a collective,
  * allgather keeps the segment (8 ranks on 2 cores: up to 1.5x slower with single copy, since each block is read by
  * n - 1 readers from the owner's process instead of from the cached segment). alltoall reads each block once, and
  * single copy halves its bytes: it wins there from 32 KiB blocks for as long as all n * n blocks together stay

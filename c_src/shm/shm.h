@@ -215,7 +215,7 @@ static inline void t3d__shm_put_addr(t3d_shm_t *s, const t3d_shm_step_t *st, con
  * process), else process_vm_readv (cross-memory attach). 0 or an errno. */
 int t3d__shm_cma_read(int self_pid, int pid, void *dst, uint64_t addr, size_t len);
 /* Defaults of T3D_SHM_DIRECT_BYTES and T3D_SHM_DIRECT_MAX_BYTES (docs/architecture.md, "Single copy"). */
-#define T3D_SHM_DIRECT_MIN_DEFAULT (64 * 1024)
+#define T3D_SHM_DIRECT_MIN_DEFAULT (16 * 1024)
 #define T3D_SHM_DIRECT_MAX_DEFAULT (8 * 1024 * 1024)
 /* With more ranks than cores, alltoall blocks from this size, while all n * n blocks together stay within
  * T3D_SHM_A2A_DIRECT_TOTAL (allgather: never). */

@@ -557,28 +557,36 @@ static gather_ctx_t gather_ctx(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step_
   return c;
 }
 
-/* Single copy: one step in which every rank reads every other block from its owner. The peers read the input
- * where it is while this rank copies it into place, unless it overlaps the output: then it is moved first and read
- * from there. */
-static t3d_result_t gather_direct(t3d_shm_t *s, t3d_exec_t *ex, const void *sendbuf, void *recvbuf,
-                                  const size_t *bytes, const size_t *displs_bytes, size_t total) {
-  size_t mine = bytes[s->rank], extent = 0;
+/* Single copy: one step in which every rank reads every other block from its owner, in two parts (the inline start
+ * runs the first on the caller's thread). Publish: say where this rank's block is and post; the peers read the
+ * input where it is while this rank copies it into place, unless it overlaps the output: then it is moved first
+ * and read from there. */
+static t3d_result_t gather_direct_publish(t3d_shm_t *s, t3d_exec_t *ex, t3d_shm_step_t *st, const void *sendbuf,
+                                          void *recvbuf, const size_t *counts, const size_t *displs, size_t es,
+                                          size_t total) {
+  size_t mine = counts[s->rank] * es, extent = 0;
   for (int p = 0; p < s->size; p++) {
-    if (displs_bytes[p] + bytes[p] > extent) extent = displs_bytes[p] + bytes[p];
+    if ((displs[p] + counts[p]) * es > extent) extent = (displs[p] + counts[p]) * es;
   }
   int apart = sendbuf != NULL && sendbuf != recvbuf && !t3d__overlap(sendbuf, mine, recvbuf, extent);
-  const char *src = apart ? sendbuf : gather_own(s, sendbuf, recvbuf, mine, displs_bytes[s->rank]);
-  t3d_shm_step_t st;
-  t3d__shm_step_begin(s, 2, &st);
-  T3D_CHECK(t3d__shm_step_acquire(s, ex, &st));
-  t3d__shm_put_info(s, &st, T3D_OP_ALLGATHERV, total, 0);
-  t3d__shm_put_addr(s, &st, src);
-  t3d__shm_post(s, st.base + 1);
-  if (apart && mine > 0) memcpy((char *)recvbuf + displs_bytes[s->rank], sendbuf, mine);
-  gather_ctx_t c = gather_ctx(s, ex, &st, recvbuf, bytes, displs_bytes, 1, 0, total);
+  const char *src = apart ? sendbuf : gather_own(s, sendbuf, recvbuf, mine, displs[s->rank] * es);
+  t3d__shm_step_begin(s, 2, st);
+  T3D_CHECK(t3d__shm_step_acquire(s, ex, st));
+  t3d__shm_put_info(s, st, T3D_OP_ALLGATHERV, total, 0);
+  t3d__shm_put_addr(s, st, src);
+  t3d__shm_post(s, st->base + 1);
+  if (apart && mine > 0) memcpy((char *)recvbuf + displs[s->rank] * es, sendbuf, mine);
+  return T3D_OK;
+}
+
+/* Collect: read every other block as soon as its owner has posted, then wait until every rank has read this
+ * rank's block (direct_end). */
+static t3d_result_t gather_direct_collect(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step_t *st, void *recvbuf,
+                                          const size_t *counts, const size_t *displs, size_t es, size_t total) {
+  gather_ctx_t c = gather_ctx(s, ex, st, recvbuf, counts, displs, es, 0, total);
   c.direct = 1;
-  T3D_CHECK(t3d__shm_wait_each(s, ex, st.base + 1, gather_from, &c));
-  return direct_end(s, ex, st.base + 2, c.res);
+  T3D_CHECK(t3d__shm_wait_each(s, ex, st->base + 1, gather_from, &c));
+  return direct_end(s, ex, st->base + 2, c.res);
 }
 
 t3d_result_t t3d__shm_allgatherv(t3d_exec_t *ex, const void *sendbuf, void *recvbuf, const size_t *bytes,
@@ -587,7 +595,11 @@ t3d_result_t t3d__shm_allgatherv(t3d_exec_t *ex, const void *sendbuf, void *recv
   size_t maxb, total = gather_total(s->size, bytes, 1, &maxb);
   if (total == 0) return T3D_OK;
   size_t mine = bytes[s->rank];
-  if (use_direct(s, maxb)) return gather_direct(s, ex, sendbuf, recvbuf, bytes, displs_bytes, total);
+  if (use_direct(s, maxb)) {
+    t3d_shm_step_t st;
+    T3D_CHECK(gather_direct_publish(s, ex, &st, sendbuf, recvbuf, bytes, displs_bytes, 1, total));
+    return gather_direct_collect(s, ex, &st, recvbuf, bytes, displs_bytes, 1, total);
+  }
   const char *own = gather_own(s, sendbuf, recvbuf, mine, displs_bytes[s->rank]);
   for (size_t lo = 0; lo < maxb; lo += s->half) {
     t3d_shm_step_t st;
@@ -599,19 +611,25 @@ t3d_result_t t3d__shm_allgatherv(t3d_exec_t *ex, const void *sendbuf, void *recv
   return T3D_OK;
 }
 
-/* An allgatherv whose blocks each fit one half and are too small for single copy, in parts (one step of the loop
- * above). */
+/* An allgatherv whose blocks each fit one half or are read from their owners, in parts (one step of the loop
+ * above, or the single-copy step). */
 int t3d__shm_gather_fits(t3d_shm_t *s, size_t total_bytes, size_t max_block_bytes) {
-  return total_bytes > 0 && max_block_bytes <= s->half && !use_direct(s, max_block_bytes) && next_half_free(s);
+  return total_bytes > 0 && (max_block_bytes <= s->half || use_direct(s, max_block_bytes)) && next_half_free(s);
 }
 
 t3d_result_t t3d__shm_gather_start(t3d_exec_t *ex, const void *sendbuf, void *recvbuf, const size_t *counts,
                                    const size_t *displs, size_t es, t3d_shm_resume_t *rs) {
   t3d_shm_t *s = t3d__exec_shm(ex);
   size_t maxb, total = gather_total(s->size, counts, es, &maxb);
+  t3d_shm_step_t st;
+  if (use_direct(s, maxb)) {
+    t3d_result_t res = gather_direct_publish(s, ex, &st, sendbuf, recvbuf, counts, displs, es, total);
+    rs->h = st.h;
+    rs->base = st.base;
+    return res;
+  }
   size_t mine = counts[s->rank] * es;
   const char *own = gather_own(s, sendbuf, recvbuf, mine, displs[s->rank] * es);
-  t3d_shm_step_t st;
   t3d__shm_step_begin(s, 2, &st);
   rs->h = st.h;
   rs->base = st.base;
@@ -623,6 +641,7 @@ t3d_result_t t3d__shm_gather_finish(t3d_exec_t *ex, const t3d_shm_resume_t *rs, 
   t3d_shm_t *s = t3d__exec_shm(ex);
   size_t maxb, total = gather_total(s->size, counts, es, &maxb);
   t3d_shm_step_t st = {rs->h, rs->base, 0, 1};
+  if (use_direct(s, maxb)) return gather_direct_collect(s, ex, &st, recvbuf, counts, displs, es, total);
   gather_ctx_t c = gather_ctx(s, ex, &st, recvbuf, counts, displs, es, 0, total);
   return gather_collect(&c);
 }
@@ -805,18 +824,29 @@ static void a2a_equal_from(void *arg, int p) {
   c->res = read_peer(c->s, c->ex, p, (int)in->pid, c->rb + (size_t)p * c->blk, at, c->blk);
 }
 
-static t3d_result_t a2a_equal_direct(t3d_shm_t *s, t3d_exec_t *ex, const char *block0, char *rb, size_t blk) {
-  t3d_shm_step_t st;
-  t3d__shm_step_begin(s, 2, &st);
-  T3D_CHECK(t3d__shm_step_acquire(s, ex, &st));
-  t3d__shm_put_info(s, &st, T3D_OP_ALLTOALLV, blk, blk);
-  t3d__shm_put_addr(s, &st, block0);
-  t3d__shm_post(s, st.base + 1);
-  a2a_equal_t c = {s, ex, &st, rb, blk, T3D_OK};
-  T3D_CHECK(t3d__shm_wait_each(s, ex, st.base + 1, a2a_equal_from, &c));
+/* Whether an alltoall takes that path: equal blocks in the single-copy range, with peers to read from. */
+static int a2a_equal_direct(const t3d_shm_t *s, int equal, size_t blk) {
+  return equal && s->size > 1 && use_a2a_direct(s, blk);
+}
+
+/* Its two parts (the inline start runs the first on the caller's thread): publish where block 0 is, then read. */
+static t3d_result_t a2a_equal_publish(t3d_shm_t *s, t3d_exec_t *ex, t3d_shm_step_t *st, const char *block0,
+                                      size_t blk) {
+  t3d__shm_step_begin(s, 2, st);
+  T3D_CHECK(t3d__shm_step_acquire(s, ex, st));
+  t3d__shm_put_info(s, st, T3D_OP_ALLTOALLV, blk, blk);
+  t3d__shm_put_addr(s, st, block0);
+  t3d__shm_post(s, st->base + 1);
+  return T3D_OK;
+}
+
+static t3d_result_t a2a_equal_collect(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step_t *st, const char *block0,
+                                      char *rb, size_t blk) {
+  a2a_equal_t c = {s, ex, st, rb, blk, T3D_OK};
+  T3D_CHECK(t3d__shm_wait_each(s, ex, st->base + 1, a2a_equal_from, &c));
   size_t own = (size_t)s->rank * blk;
   if (c.res == T3D_OK && rb + own != block0 + own) memmove(rb + own, block0 + own, blk);
-  return direct_end(s, ex, st.base + 2, c.res);
+  return direct_end(s, ex, st->base + 2, c.res);
 }
 
 t3d_result_t t3d__shm_alltoallv(t3d_exec_t *ex, const void *sendbuf, const size_t *scounts, const size_t *sdispls,
@@ -831,8 +861,11 @@ t3d_result_t t3d__shm_alltoallv(t3d_exec_t *ex, const void *sendbuf, const size_
                                  &copy));
   t3d_result_t res;
   size_t blk = scounts[0] * es;
-  if (equal && s->size > 1 && use_a2a_direct(s, blk)) {
-    res = a2a_equal_direct(s, ex, sb + (sdispls[0] * es - sbias), (char *)recvbuf + rdispls[0] * es, blk);
+  if (a2a_equal_direct(s, equal, blk)) {
+    const char *block0 = sb + (sdispls[0] * es - sbias);
+    t3d_shm_step_t st;
+    res = a2a_equal_publish(s, ex, &st, block0, blk);
+    if (res == T3D_OK) res = a2a_equal_collect(s, ex, &st, block0, (char *)recvbuf + rdispls[0] * es, blk);
   } else {
     a2a_ctx_t c = a2a_ctx(s, ex, recvbuf, scounts, rcounts, rdispls, es);
     res = a2a_steps(&c, 0, sb, sbias, scounts, sdispls);
@@ -841,17 +874,24 @@ t3d_result_t t3d__shm_alltoallv(t3d_exec_t *ex, const void *sendbuf, const size_
   return res;
 }
 
-/* In parts: step 0 published by start, collected (and any further steps run) by finish. The caller made sure that
- * the receive blocks do not overlap the send blocks, so no copy of the input is needed. */
+/* In parts: step 0 (or the single-copy step of equal blocks) published by start, collected (and any further steps
+ * run) by finish. The caller made sure that the receive blocks do not overlap the send blocks, so no copy of the
+ * input is needed. */
 int t3d__shm_a2a_fits(t3d_shm_t *s, size_t max_send_block_bytes, int equal) {
-  if (max_send_block_bytes > a2a_piece(s) || (equal && use_a2a_direct(s, max_send_block_bytes))) return 0;
+  if (max_send_block_bytes > a2a_piece(s) && !a2a_equal_direct(s, equal, max_send_block_bytes)) return 0;
   return next_half_free(s);
 }
 
 t3d_result_t t3d__shm_a2a_start(t3d_exec_t *ex, const void *sendbuf, const size_t *scounts, const size_t *sdispls,
-                                size_t es, t3d_shm_resume_t *rs) {
+                                size_t es, int equal, t3d_shm_resume_t *rs) {
   t3d_shm_t *s = t3d__exec_shm(ex);
   t3d_shm_step_t st;
+  if (a2a_equal_direct(s, equal, scounts[0] * es)) {
+    t3d_result_t res = a2a_equal_publish(s, ex, &st, (const char *)sendbuf + sdispls[0] * es, scounts[0] * es);
+    rs->h = st.h;
+    rs->base = st.base;
+    return res;
+  }
   t3d__shm_step_begin(s, 2, &st);
   rs->h = st.h;
   rs->base = st.base;
@@ -860,9 +900,13 @@ t3d_result_t t3d__shm_a2a_start(t3d_exec_t *ex, const void *sendbuf, const size_
 
 t3d_result_t t3d__shm_a2a_finish(t3d_exec_t *ex, const t3d_shm_resume_t *rs, const void *sendbuf,
                                  const size_t *scounts, const size_t *sdispls, void *recvbuf, const size_t *rcounts,
-                                 const size_t *rdispls, size_t es) {
+                                 const size_t *rdispls, size_t es, int equal) {
   t3d_shm_t *s = t3d__exec_shm(ex);
   t3d_shm_step_t st = {rs->h, rs->base, 0, 1};
+  if (a2a_equal_direct(s, equal, scounts[0] * es)) {
+    return a2a_equal_collect(s, ex, &st, (const char *)sendbuf + sdispls[0] * es, (char *)recvbuf + rdispls[0] * es,
+                             scounts[0] * es);
+  }
   a2a_ctx_t c = a2a_ctx(s, ex, recvbuf, scounts, rcounts, rdispls, es);
   c.st = &st;
   T3D_CHECK(a2a_collect(&c));

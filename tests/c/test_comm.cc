@@ -338,6 +338,47 @@ TEST(Comm, SmallCollectivesRunInline) {
   unsetenv("T3D_INLINE_WAIT_NS");
 }
 
+// Allgather and alltoall blocks that are read straight from their owner (single copy; T3D_SHM_DIRECT_BYTES=1 puts
+// every block in that range) start on the caller's thread too: small non-blocking ones on an idle communicator are
+// done on return, with every rank's block read (the owner returns only once its readers are done), with new data
+// on every iteration.
+TEST(Comm, SmallSingleCopyCollectivesRunInline) {
+  const int n = 3;
+  setenv("T3D_INLINE_WAIT_NS", "600000000000", 1);
+  setenv("T3D_SHM_DIRECT_BYTES", "1", 1);
+  RunRanks(n, [&](int rank, t3d_comm_t *c) {
+    if (std::string(t3d_comm_transport(c)).find("shm") == std::string::npos) GTEST_SKIP() << "no shared memory";
+    for (int it = 0; it < 50; ++it) {
+      const size_t m = 1 + static_cast<size_t>(it) * 37;  // 1 .. 1814 elements per block
+      std::vector<int32_t> mine(m), all(m * n, -1), sendv(m * n), recvv(m * n, -1);
+      for (size_t i = 0; i < m; ++i) mine[i] = 1000000 * rank + 1000 * it + static_cast<int32_t>(i % 997);
+      for (int q = 0; q < n; ++q)
+        for (size_t i = 0; i < m; ++i)
+          sendv[q * m + i] = 1000000 * rank + 10000 * q + it * 10 + static_cast<int32_t>(i % 7);
+      t3d_request_t *qg = nullptr, *qa = nullptr;
+      T3D_EXPECT_OK(c, t3d_allgather(c, mine.data(), all.data(), m, T3D_INT32, nullptr, &qg));
+      EXPECT_EQ(t3d_test(qg), T3D_OK) << "a small single-copy allgather on an idle communicator should be done on "
+                                         "return, iteration " << it;
+      std::string err;
+      EXPECT_EQ(Finish(qg, &err), T3D_OK) << err;
+      T3D_EXPECT_OK(c, t3d_alltoall(c, sendv.data(), recvv.data(), m, T3D_INT32, nullptr, &qa));
+      EXPECT_EQ(t3d_test(qa), T3D_OK) << "a small single-copy alltoall on an idle communicator should be done on "
+                                         "return, iteration " << it;
+      EXPECT_EQ(Finish(qa, &err), T3D_OK) << err;
+      for (int p = 0; p < n; ++p) {
+        for (size_t i = 0; i < m; ++i) {
+          ASSERT_EQ(all[p * m + i], 1000000 * p + 1000 * it + static_cast<int32_t>(i % 997))
+              << "allgather, iteration " << it << ", block of rank " << p;
+          ASSERT_EQ(recvv[p * m + i], 1000000 * p + 10000 * rank + it * 10 + static_cast<int32_t>(i % 7))
+              << "alltoall, iteration " << it << ", block from rank " << p;
+        }
+      }
+    }
+  });
+  unsetenv("T3D_SHM_DIRECT_BYTES");
+  unsetenv("T3D_INLINE_WAIT_NS");
+}
+
 // ---------- argument checking ----------
 
 struct BadCall {

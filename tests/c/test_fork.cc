@@ -421,7 +421,7 @@ TEST(Fork, CleanRunOverFileStore) {
       << logs;
 }
 
-// Without T3D_SHM_DIRECT_BYTES the ranges follow the cores: with a core per rank, blocks of 64 KiB to 8 MiB for
+// Without T3D_SHM_DIRECT_BYTES the ranges follow the cores: with a core per rank, blocks of 16 KiB to 8 MiB for
 // both; with more ranks than cores, none for allgather and, for alltoall, 32 KiB up to where all n * n blocks
 // together reach 32 MiB (docs/architecture.md, "Single copy"). The run's alltoall blocks (400 kB) are in range
 // either way.
@@ -432,7 +432,7 @@ TEST(Fork, DefaultSingleCopyRangesFollowTheCores) {
   const std::string want = kWorld > cpus
       ? "single copy for allgather blocks of 0 to 0 bytes and alltoall blocks of 32768 to " +
             std::to_string((32u << 20) / (kWorld * kWorld)) + " "
-      : std::string("single copy for allgather blocks of 65536 to 8388608 bytes and alltoall blocks of 65536 to "
+      : std::string("single copy for allgather blocks of 16384 to 8388608 bytes and alltoall blocks of 16384 to "
                     "8388608 ");
   const std::string logs = CleanRunLogs(true);
   EXPECT_EQ(Count(logs, want), static_cast<size_t>(kWorld))
