@@ -785,6 +785,9 @@ def run(args) -> int:
     if bad:
         print(f"t3d-bench: unknown op(s) {bad}; choose from {', '.join(OPS)}", file=sys.stderr)
         return 2
+    if args.repeat < 1:
+        print(f"t3d-bench: --repeat must be at least 1, not {args.repeat}", file=sys.stderr)
+        return 2
     sizes = sizes_between(parse_size(args.min), parse_size(args.max))
     results: dict = {"_load": os.getloadavg()[0]}
     skipped: dict = {}
@@ -806,9 +809,6 @@ def run(args) -> int:
                 print(f"skipping mpi: {why}", flush=True)
                 continue
         backends.append(b)
-    if args.repeat < 1:
-        print("t3d-bench: --repeat must be at least 1", file=sys.stderr)
-        return 2
     runs: dict = {b: [] for b in backends}
     for rep in range(args.repeat):  # backends alternate, so that a slow spell of the machine hits each alike
         for b in [x for x in backends if x not in skipped]:
