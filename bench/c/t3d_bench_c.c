@@ -321,8 +321,8 @@ static void print_switch_floor(int n) {
   if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) < cores) cores = CPU_COUNT(&set);
   if (cores <= 0 || n <= cores) return;
   const int iters = 20000;
-  double *took = mmap(NULL, (size_t)n * sizeof(double) + 64, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS,
-                      -1, 0);
+  const size_t bytes = (size_t)n * sizeof(double) + 64; /* each child's time, then the start flag */
+  double *took = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
   if (took == MAP_FAILED) return;
   volatile int *go = (volatile int *)(took + n);
   *go = 0;
@@ -353,7 +353,7 @@ static void print_switch_floor(int n) {
            "%.2f us per call\n", n, cores, worst * 1e6);
   }
   free(pids);
-  munmap(took, (size_t)n * sizeof(double) + 64);
+  munmap(took, bytes);
 }
 
 int main(int argc, char **argv) {

@@ -622,18 +622,18 @@ t3d_result_t t3d__shm_gather_start(t3d_exec_t *ex, const void *sendbuf, void *re
   t3d_shm_t *s = t3d__exec_shm(ex);
   size_t maxb, total = gather_total(s->size, counts, es, &maxb);
   t3d_shm_step_t st;
+  t3d_result_t res;
   if (use_direct(s, maxb)) {
-    t3d_result_t res = gather_direct_publish(s, ex, &st, sendbuf, recvbuf, counts, displs, es, total);
-    rs->h = st.h;
-    rs->base = st.base;
-    return res;
+    res = gather_direct_publish(s, ex, &st, sendbuf, recvbuf, counts, displs, es, total);
+  } else {
+    size_t mine = counts[s->rank] * es;
+    const char *own = gather_own(s, sendbuf, recvbuf, mine, displs[s->rank] * es);
+    t3d__shm_step_begin(s, 2, &st);
+    res = gather_publish(s, ex, &st, own, mine, 0, total);
   }
-  size_t mine = counts[s->rank] * es;
-  const char *own = gather_own(s, sendbuf, recvbuf, mine, displs[s->rank] * es);
-  t3d__shm_step_begin(s, 2, &st);
   rs->h = st.h;
   rs->base = st.base;
-  return gather_publish(s, ex, &st, own, mine, 0, total);
+  return res;
 }
 
 t3d_result_t t3d__shm_gather_finish(t3d_exec_t *ex, const t3d_shm_resume_t *rs, void *recvbuf, const size_t *counts,
@@ -886,16 +886,16 @@ t3d_result_t t3d__shm_a2a_start(t3d_exec_t *ex, const void *sendbuf, const size_
                                 size_t es, int equal, t3d_shm_resume_t *rs) {
   t3d_shm_t *s = t3d__exec_shm(ex);
   t3d_shm_step_t st;
+  t3d_result_t res;
   if (a2a_equal_direct(s, equal, scounts[0] * es)) {
-    t3d_result_t res = a2a_equal_publish(s, ex, &st, (const char *)sendbuf + sdispls[0] * es, scounts[0] * es);
-    rs->h = st.h;
-    rs->base = st.base;
-    return res;
+    res = a2a_equal_publish(s, ex, &st, (const char *)sendbuf + sdispls[0] * es, scounts[0] * es);
+  } else {
+    t3d__shm_step_begin(s, 2, &st);
+    res = a2a_publish(s, ex, &st, sendbuf, 0, scounts, sdispls, es, 0, a2a_local_max(s->size, s->rank, scounts, es));
   }
-  t3d__shm_step_begin(s, 2, &st);
   rs->h = st.h;
   rs->base = st.base;
-  return a2a_publish(s, ex, &st, sendbuf, 0, scounts, sdispls, es, 0, a2a_local_max(s->size, s->rank, scounts, es));
+  return res;
 }
 
 t3d_result_t t3d__shm_a2a_finish(t3d_exec_t *ex, const t3d_shm_resume_t *rs, const void *sendbuf,

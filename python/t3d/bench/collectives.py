@@ -358,31 +358,16 @@ def run_mpi(n: int, ops: list[str], sizes: list[int], timeout: float) -> list[di
 
 # ---------------------------------------------------------------- reference: copy bandwidth
 
-def copy_bandwidth() -> float:
-    """Read+write bytes per second of one large single-threaded copy (the physical reference B)."""
-    import numpy as np
-
-    src = np.ones(64 << 20, dtype=np.uint8)  # 64 MiB: well beyond the caches; np.copyto is a plain memcpy
-    dst = np.zeros_like(src)
-    best = float("inf")
-    for _ in range(7):
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * src.nbytes / best
+COPY_TEST_BYTES = 64 << 20  # each copy's source (well beyond the caches); its destination is as large
 
 
-COPY_TEST_BYTES = 64 << 20  # each copy test's source; its destination is as large
-
-
-def copy_bandwidth_all_cores(threads: int | None = None) -> float:
-    """Read+write bytes per second of the whole machine: one 64 MiB copy per core, all started at once (numpy copies
-    without the GIL). The ceiling of any scheme's copying, where B is one thread's."""
+def copy_bandwidth(threads: int = 1) -> float:
+    """Read+write bytes per second of `threads` copies of 64 MiB, one per thread, all started at once (np.copyto is a
+    plain memcpy and runs without the GIL); best of 7. One thread: the physical reference B."""
     import threading
 
     import numpy as np
 
-    threads = threads or os.cpu_count() or 1
     pairs = [(np.ones(COPY_TEST_BYTES, dtype=np.uint8), np.zeros(COPY_TEST_BYTES, dtype=np.uint8))
              for _ in range(threads)]
     start = threading.Barrier(threads + 1)
@@ -407,6 +392,11 @@ def copy_bandwidth_all_cores(threads: int | None = None) -> float:
     for w in workers:
         w.join()
     return 2 * COPY_TEST_BYTES * threads / best
+
+
+def copy_bandwidth_all_cores() -> float:
+    """The whole machine's copy bandwidth: one copy per core at once. The ceiling of any scheme's copying."""
+    return copy_bandwidth(os.cpu_count() or 1)
 
 
 # ---------------------------------------------------------------- report
@@ -439,9 +429,9 @@ def least_traffic_factor(op: str, n: int) -> float:
 
 
 def working_set_factor(op: str, n: int) -> float:
-    """Bytes of user buffers of all ranks together, over S (all_reduce and broadcast in place)."""
-    return {"all_reduce": n, "all_gather": n + 1, "reduce_scatter": n + 1, "all_to_all": 2 * n,
-            "broadcast": n, "send_recv": 2 * n}[op]
+    """Bytes of user buffers of all ranks together, over S: the least traffic's, since it reads every input byte and
+    writes every output byte once, except for all_reduce, whose n results overwrite its n inputs in place."""
+    return n if op == "all_reduce" else least_traffic_factor(op, n)
 
 
 def fastest_possible_us(op: str, n: int, size: int, B_all: float, cores: int) -> float | None:
@@ -616,8 +606,8 @@ def _gloo_times_targets(results: dict, n: int, cores: int, peers: list[str]) -> 
                     checked += 1
                     if g["time_us"] < 5 * r["time_us"]:
                         bad.append(f"{op} {human(s)} {g['time_us'] / r['time_us']:.2f}x")
-                        least = fastest_possible_us(op, n, s, B_all, cores) if B_all else None
-                        if b == "t3d" and least is not None and g["time_us"] < 5 * least:
+                        least = fastest_possible_us(op, n, s, B_all, cores) if b == "t3d" and B_all else None
+                        if least is not None and g["time_us"] < 5 * least:
                             beyond.append(f"{op} {human(s)} (gloo {g['time_us']:.0f} us; moving "
                                           f"{least_traffic_factor(op, n):g}S takes >= {least:.0f} us, so at most "
                                           f"{g['time_us'] / least:.2f}x)")
