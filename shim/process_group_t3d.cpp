@@ -1,6 +1,7 @@
 // ProcessGroupT3D: argument checks and the mapping of each c10d collective onto t3d's non-blocking C calls.
 #include "process_group_t3d.hpp"
 
+#include <ATen/ThreadLocalState.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
@@ -112,6 +113,11 @@ void ProcessGroupT3D::checkRoot(const OpCtx& c, int64_t root) const {
               " is outside the group of size ", size_);
 }
 
+void ProcessGroupT3D::checkRootTensor(const OpCtx& c, int64_t rootTensor, size_t n) const {
+  TORCH_CHECK(rootTensor >= 0 && static_cast<size_t>(rootTensor) < n, "t3d: ", c.op, " on rank ", rank_,
+              ": argument 'rootTensor' is ", rootTensor, ", outside the ", n, " tensor(s) of 'tensors'");
+}
+
 void ProcessGroupT3D::checkPeer(const OpCtx& c, const char* arg, int peer) const {
   TORCH_CHECK(peer >= 0 && peer < size_, "t3d: ", c.op, " on rank ", rank_, ": ", arg, " ", peer,
               " is outside the group of size ", size_);
@@ -162,7 +168,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::run(c10d::OpType type, const OpC
   work->setRequest(issuePlan(c, p, o));
   for (auto& t : p.keep) work->keepAlive(t);
   if (!p.post.empty()) {
-    work->setPost([post = std::move(p.post)](t3d_request_t* req) {
+    // The post steps (copy-back into the caller's tensors) run on the progress thread: they do so under the
+    // caller's thread-local state (inference mode, grad mode, autocast, dispatch keys), as if run where issued.
+    work->setPost([post = std::move(p.post), tls = at::ThreadLocalState()](t3d_request_t* req) {
+      at::ThreadLocalStateGuard guard(tls);
       for (auto& f : post) f(req);
     });
   }
@@ -317,23 +326,223 @@ void ProcessGroupT3D::planAllreduce(const OpCtx& c, const char* arg, const at::T
 c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::allreduce(std::vector<at::Tensor>& tensors,
                                                           const c10d::AllreduceOptions& opts) {
   OpCtx c = ctx("allreduce");
-  checkListSize(c, "tensors", tensors.size(), 1);
-  TORCH_CHECK(!opts.sparseIndices.has_value(), "t3d: allreduce on rank ", rank_, ": sparse allreduce is not supported");
+  TORCH_CHECK(!tensors.empty(), "t3d: allreduce on rank ", rank_, ": argument 'tensors' is empty");
+  TORCH_CHECK(!opts.sparseIndices.has_value(), "t3d: allreduce on rank ", rank_,
+              ": allreduce with sparseIndices is not supported (pass sparse COO tensors instead)");
+  if (tensors[0].defined() && tensors[0].is_sparse()) return allreduceSparse(c, tensors, opts);
   Rop r = rop(c, opts.reduceOp);
   Plan p;
-  planAllreduce(c, "tensors[0]", tensors[0], r, p);
+  if (tensors.size() == 1) {
+    planAllreduce(c, "tensors[0]", tensors[0], r, p);
+  } else {
+    planAllreduceLocalFold(c, tensors, r, p);
+  }
   return run(c10d::OpType::ALLREDUCE, c, std::move(p), opts.timeout, opts.asyncOp);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::allreduceSparse(const OpCtx& c, std::vector<at::Tensor>& tensors,
+                                                                const c10d::AllreduceOptions& opts) {
+  // Ranks hold different index sets, so this is not one reduction over a buffer: every rank's indices and values
+  // are all-gathered (their counts agreed first) and each rank sums them into one coalesced COO tensor, in rank
+  // order, so every rank gets the same bits. The result replaces every tensor of the list.
+  Rop r = rop(c, opts.reduceOp);
+  const at::Tensor& first = tensors[0];
+  TORCH_CHECK(first.device().is_cpu(), "t3d: allreduce on rank ", rank_, ": argument 'tensors[0]' is a sparse tensor on ",
+              first.device(), "; t3d reduces sparse tensors on the CPU only");
+  TORCH_CHECK(r.op == T3D_SUM || (r.op == T3D_AVG && at::isFloatingType(first.scalar_type())), "t3d: allreduce on rank ",
+              rank_, ": sparse tensors are reduced with SUM (or AVG for floating types), not ", t3d_redop_name(r.op));
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    std::string arg = c10::str("tensors[", i, "]");
+    TORCH_CHECK(tensors[i].defined() && tensors[i].is_sparse(), "t3d: allreduce on rank ", rank_, ": argument '", arg,
+                "' is not a sparse COO tensor, but 'tensors[0]' is");
+    TORCH_CHECK(tensors[i].device() == first.device() && tensors[i].scalar_type() == first.scalar_type() &&
+                    tensors[i].sizes() == first.sizes() && tensors[i].sparse_dim() == first.sparse_dim(),
+                "t3d: allreduce on rank ", rank_, ": argument '", arg, "' (", tensors[i].scalar_type(), " ",
+                shapeStr(tensors[i]), ") differs from 'tensors[0]' (", first.scalar_type(), " ", shapeStr(first),
+                ") in dtype, shape or sparse dimensions");
+  }
+  at::Tensor local = first;
+  for (size_t i = 1; i < tensors.size(); ++i) local = local + tensors[i];
+  local = local.coalesce();
+  const int64_t sparseDim = local.sparse_dim();
+  constexpr int64_t kMaxDims = 8;
+  TORCH_CHECK(local.dim() <= kMaxDims, "t3d: allreduce on rank ", rank_, ": sparse tensors of at most ", kMaxDims,
+              " dimensions are supported, got ", local.dim());
+  // What every rank must agree on (dims, sparse dims, sizes) and what differs (nnz), in one small exchange.
+  std::vector<int64_t> meta(3 + kMaxDims, -1);
+  meta[0] = local.dim();
+  meta[1] = sparseDim;
+  meta[2] = local._nnz();
+  for (int64_t d = 0; d < local.dim(); ++d) meta[3 + d] = local.size(d);
+  std::vector<int64_t> all = allgatherInts(c, meta, opts.timeout);
+  const size_t w = meta.size();
+  std::vector<int64_t> nnz(size_);
+  for (int q = 0; q < size_; ++q) {
+    const int64_t* m = all.data() + q * w;
+    bool same = m[0] == meta[0] && m[1] == meta[1] && std::equal(m + 3, m + w, meta.begin() + 3);
+    TORCH_CHECK(same, "t3d: allreduce on rank ", rank_, ": sparse tensor of shape ", shapeStr(local), " (",
+                sparseDim, " sparse dims) but rank ", q, "'s has ", m[0], " dims (", m[1],
+                " sparse); every rank must pass the same shape");
+    nnz[q] = m[2];
+  }
+  at::Tensor idx = local.indices().contiguous();
+  at::Tensor val = local.values().contiguous();
+  int64_t rowNumel = 1;
+  for (int64_t d = sparseDim; d < local.dim(); ++d) rowNumel *= local.size(d);
+  int64_t totalNnz = 0;
+  for (int64_t v : nnz) totalNnz += v;
+  at::Tensor allIdx = at::empty({sparseDim, totalNnz}, idx.options());
+  std::vector<int64_t> valShape{totalNnz};
+  for (int64_t d = sparseDim; d < local.dim(); ++d) valShape.push_back(local.size(d));
+  at::Tensor allVal = at::empty(valShape, val.options());
+  // Indices are [sparseDim, nnz] per rank: gathered as [rank][dim][nnz] and reordered after.
+  at::Tensor idxFlat = at::empty({sparseDim * totalNnz}, idx.options());
+  CType vt = moveType(c, "tensors[0]", val);
+  std::vector<size_t> ic(size_), vc(size_);
+  for (int q = 0; q < size_; ++q) {
+    ic[q] = static_cast<size_t>(nnz[q] * sparseDim);
+    vc[q] = static_cast<size_t>(nnz[q] * rowNumel) * vt.scale;
+  }
+  std::vector<size_t> id = prefixSums(ic), vd = prefixSums(vc);
+  t3d_comm_t* cm = comm();
+  const void* isb = dataPtr(idx);
+  void* irb = dataPtr(idxFlat);
+  const void* vsb = dataPtr(val);
+  void* vrb = dataPtr(allVal);
+  size_t in = ic[rank_], vn = vc[rank_];
+  Plan p;
+  p.issue.push_back([=](const t3d_opts_t& o, t3d_request_t** req) {
+    return t3d_allgatherv(cm, isb, in, irb, ic.data(), id.data(), T3D_INT64, &o, req);
+  });
+  p.issue.push_back([=](const t3d_opts_t& o, t3d_request_t** req) {
+    return t3d_allgatherv(cm, vsb, vn, vrb, vc.data(), vd.data(), vt.dtype, &o, req);
+  });
+  p.keep.insert(p.keep.end(), {idx, val, idxFlat, allVal});
+  std::vector<at::Tensor> outs = tensors;
+  std::vector<int64_t> sizes = local.sizes().vec();
+  bool avg = r.op == T3D_AVG;
+  int world = size_;
+  p.post.push_back([=](t3d_request_t*) {
+    int64_t off = 0;
+    for (int q = 0; q < world; ++q) {
+      if (nnz[q] > 0) {
+        allIdx.narrow(1, off, nnz[q]).copy_(idxFlat.narrow(0, off * sparseDim, nnz[q] * sparseDim)
+                                                  .view({sparseDim, nnz[q]}));
+      }
+      off += nnz[q];
+    }
+    at::Tensor sum = at::sparse_coo_tensor(allIdx, allVal, sizes, allVal.options().layout(at::kSparse)).coalesce();
+    if (avg) sum = sum / world;
+    for (const auto& t : outs) t.copy_(sum);
+  });
+  p.outputs = tensors;
+  return run(c10d::OpType::ALLREDUCE, c, std::move(p), opts.timeout, opts.asyncOp);
+}
+
+void ProcessGroupT3D::checkSameShapes(const OpCtx& c, const char* listArg, const std::vector<at::Tensor>& ts) const {
+  for (size_t i = 0; i < ts.size(); ++i) {
+    std::string arg = c10::str(listArg, "[", i, "]");
+    checkTensor(c, arg.c_str(), ts[i]);
+    if (i == 0) continue;
+    std::string ref = c10::str(listArg, "[0]");
+    checkSameDtype(c, arg.c_str(), ts[i], ts[0], ref.c_str());
+    TORCH_CHECK(ts[i].sizes() == ts[0].sizes(), "t3d: ", c.op, " on rank ", rank_, ": argument '", arg,
+                "' has shape ", shapeStr(ts[i]), " but '", ref, "' has ", shapeStr(ts[0]),
+                "; the tensors of one rank must have the same shape");
+  }
+}
+
+void ProcessGroupT3D::planAllreduceLocalFold(const OpCtx& c, const std::vector<at::Tensor>& tensors, Rop r,
+                                            Plan& p) {
+  // Several tensors per rank (as gloo serves them): the result is the reduction over every tensor of every rank,
+  // written into each. This rank's tensors are folded first, then one allreduce runs over the fold.
+  checkSameShapes(c, "tensors", tensors);
+  CType ct = reduceType(c, "tensors[0]", tensors[0]);
+  checkReduceSupported(c, "tensors[0]", r.op, tensors[0], ct.dtype);
+  at::Tensor acc = tensors[0].contiguous().clone();
+  for (size_t i = 1; i < tensors.size(); ++i) {
+    const at::Tensor& t = tensors[i];
+    switch (r.op) {
+      case T3D_SUM: case T3D_AVG: case T3D_PREMUL_SUM: acc.add_(t); break;
+      case T3D_PROD: acc.mul_(t); break;
+      case T3D_MIN: acc = at::minimum(acc, t); break;
+      case T3D_MAX: acc = at::maximum(acc, t); break;
+      case T3D_BAND: acc.bitwise_and_(t); break;
+      case T3D_BOR: acc.bitwise_or_(t); break;
+      case T3D_BXOR: acc.bitwise_xor_(t); break;
+      default: TORCH_CHECK(false, "t3d: ", c.op, " on rank ", rank_, ": reduce op ", t3d_redop_name(r.op),
+                           " with several tensors per rank is not supported");
+    }
+  }
+  p.premul = r.premul;
+  t3d_comm_t* cm = comm();
+  void* buf = dataPtr(acc);
+  size_t n = static_cast<size_t>(acc.numel());
+  p.issue.push_back([=](const t3d_opts_t& o, t3d_request_t** req) {
+    return t3d_allreduce(cm, buf, buf, n, ct.dtype, r.op, &o, req);
+  });
+  p.keep.push_back(acc);
+  // AVG divided the sum by the group size; the mean is over every rank's tensors (integers truncate, as in C).
+  int64_t local = static_cast<int64_t>(tensors.size());
+  bool avg = r.op == T3D_AVG;
+  std::vector<at::Tensor> outs = tensors;
+  p.post.push_back([acc, outs, avg, local](t3d_request_t*) {
+    at::Tensor v = acc;
+    if (avg) v = at::isIntegralType(v.scalar_type(), true) ? v.div(local, "trunc") : v.div(local);
+    for (const auto& t : outs) t.copy_(v);
+  });
+  p.outputs = tensors;
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::allreduce_coalesced(std::vector<at::Tensor>& tensors,
                                                                     const c10d::AllreduceCoalescedOptions& opts) {
   OpCtx c = ctx("allreduce_coalesced");
+  TORCH_CHECK(!tensors.empty(), "t3d: allreduce_coalesced on rank ", rank_, ": argument 'tensors' is empty");
   Rop r = rop(c, opts.reduceOp);
   Plan p;
+  if (tensors.size() == 1) {
+    planAllreduce(c, "tensors[0]", tensors[0], r, p);
+    return run(c10d::OpType::ALLREDUCE_COALESCED, c, std::move(p), opts.timeout);
+  }
+  // As gloo does: every tensor is copied into one flat buffer per dtype before anything is reduced, and the results
+  // are copied back after. A tensor listed twice, or tensors that overlap, are therefore reduced once, not in place
+  // one after the other.
+  std::vector<at::ScalarType> dtypes;
   for (size_t i = 0; i < tensors.size(); ++i) {
     std::string arg = c10::str("tensors[", i, "]");
-    planAllreduce(c, arg.c_str(), tensors[i], r, p);
+    checkTensor(c, arg.c_str(), tensors[i]);
+    CType ct = reduceType(c, arg.c_str(), tensors[i]);
+    checkReduceSupported(c, arg.c_str(), r.op, tensors[i], ct.dtype);
+    if (std::find(dtypes.begin(), dtypes.end(), tensors[i].scalar_type()) == dtypes.end()) {
+      dtypes.push_back(tensors[i].scalar_type());
+    }
   }
+  p.premul = r.premul;
+  t3d_comm_t* cm = comm();
+  for (at::ScalarType st : dtypes) {
+    std::vector<at::Tensor> members;
+    for (const auto& t : tensors) {
+      if (t.scalar_type() == st) members.push_back(t);
+    }
+    std::vector<at::Tensor> pieces;
+    for (const auto& t : members) pieces.push_back(t.reshape({-1}));
+    at::Tensor flat = at::cat(pieces);
+    CType ct = reduceType(c, "tensors", flat);
+    void* buf = dataPtr(flat);
+    size_t n = static_cast<size_t>(flat.numel());
+    p.issue.push_back([=](const t3d_opts_t& o, t3d_request_t** req) {
+      return t3d_allreduce(cm, buf, buf, n, ct.dtype, r.op, &o, req);
+    });
+    p.keep.push_back(flat);
+    p.post.push_back([flat, members](t3d_request_t*) {
+      int64_t off = 0;
+      for (const auto& t : members) {
+        t.copy_(flat.narrow(0, off, t.numel()).view(t.sizes()));
+        off += t.numel();
+      }
+    });
+  }
+  p.outputs = tensors;
   return run(c10d::OpType::ALLREDUCE_COALESCED, c, std::move(p), opts.timeout);
 }
 
@@ -342,6 +551,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::reduce(std::vector<at::Tensor>& 
   OpCtx c = ctx("reduce");
   checkListSize(c, "tensors", tensors.size(), 1);
   checkRoot(c, opts.rootRank);
+  checkRootTensor(c, opts.rootTensor, tensors.size());
   const at::Tensor& t = tensors[0];
   checkTensor(c, "tensors[0]", t);
   Rop r = rop(c, opts.reduceOp);
@@ -474,11 +684,16 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::reduce_scatter_tensor_coalesced(
 c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::broadcast(std::vector<at::Tensor>& tensors,
                                                           const c10d::BroadcastOptions& opts) {
   OpCtx c = ctx("broadcast");
-  checkListSize(c, "tensors", tensors.size(), 1);
+  TORCH_CHECK(!tensors.empty(), "t3d: broadcast on rank ", rank_, ": argument 'tensors' is empty");
   checkRoot(c, opts.rootRank);
-  const at::Tensor& t = tensors[0];
-  checkTensor(c, "tensors[0]", t);
-  CType ct = moveType(c, "tensors[0]", t);
+  checkRootTensor(c, opts.rootTensor, tensors.size());
+  // Several tensors per rank (as gloo serves them): the root's tensors[rootTensor] reaches every tensor of every
+  // rank.
+  checkSameShapes(c, "tensors", tensors);
+  const size_t rt = static_cast<size_t>(opts.rootTensor);
+  const at::Tensor& t = tensors[rt];
+  std::string arg = c10::str("tensors[", rt, "]");
+  CType ct = moveType(c, arg.c_str(), t);
   Staged s = stage(t, true);
   t3d_comm_t* cm = comm();
   void* buf = dataPtr(s.buf);
@@ -490,12 +705,42 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::broadcast(std::vector<at::Tensor
   });
   p.keep.push_back(s.buf);
   if (s.staged && rank_ != root) p.post.push_back([s](t3d_request_t*) { s.copyBack(); });
-  p.outputs.push_back(t);
+  if (tensors.size() > 1) {
+    std::vector<at::Tensor> others;
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      if (i != rt) others.push_back(tensors[i]);
+    }
+    at::Tensor src = s.buf;
+    p.post.push_back([src, others](t3d_request_t*) {
+      for (const auto& o : others) o.copy_(src);
+    });
+  }
+  p.outputs = tensors;
   return run(c10d::OpType::BROADCAST, c, std::move(p), opts.timeout, opts.asyncOp);
 }
 
+std::vector<int64_t> ProcessGroupT3D::allgatherInts(const OpCtx& c, const std::vector<int64_t>& mine,
+                                                   std::chrono::milliseconds timeout) {
+  TORCH_CHECK(!coalescing_, "t3d: ", c.op, " on rank ", rank_,
+              ": this call needs to agree on sizes first, which it cannot do inside a coalescing block");
+  std::vector<int64_t> all(mine.size() * static_cast<size_t>(size_));
+  t3d_opts_t o = cOpts(timeout, 1.0, T3D_FLAG_BLOCKING);
+  t3d_request_t* req = nullptr;
+  check(c, t3d_allgather(comm(), mine.data(), all.data(), mine.size(), T3D_INT64, &o, &req), "exchanging sizes");
+  t3d_result_t r = t3d_wait(req, -1);
+  if (r != T3D_OK) {
+    std::string detail = t3d_request_error(req);
+    t3d_request_free(req);
+    C10_THROW_ERROR(DistBackendError, c10::str("t3d: ", c.op, " on rank ", rank_, " of group '", groupName_,
+                                               "': exchanging sizes failed: ", t3d_result_string(r), ": ", detail));
+  }
+  t3d_request_free(req);
+  return all;
+}
+
 void ProcessGroupT3D::planAllgatherList(const OpCtx& c, const char* outArg, const std::vector<at::Tensor>& outs,
-                                        const char* inArg, const at::Tensor& in, Plan& p) {
+                                        const char* inArg, const at::Tensor& in, std::chrono::milliseconds timeout,
+                                        Plan& p) {
   checkTensor(c, inArg, in);
   checkListSize(c, outArg, outs.size(), static_cast<size_t>(size_));
   CType ct = moveType(c, inArg, in);
@@ -507,6 +752,15 @@ void ProcessGroupT3D::planAllgatherList(const OpCtx& c, const char* outArg, cons
     checkSameDtype(c, arg.c_str(), outs[i], in, inArg);
     counts[i] = static_cast<size_t>(outs[i].numel());
     even = even && counts[i] == counts[0];
+  }
+  if (!even) {
+    // Uneven outputs: every rank learns every input's size first, so that a call whose outputs do not match the
+    // inputs fails on all ranks with the same message instead of failing on some and waiting on the others.
+    std::vector<int64_t> sizes = allgatherInts(c, {in.numel()}, timeout);
+    for (int i = 0; i < size_; ++i) {
+      TORCH_CHECK(counts[i] == static_cast<size_t>(sizes[i]), "t3d: ", c.op, " on rank ", rank_, ": argument '",
+                  outArg, "[", i, "]' has ", counts[i], " elements but rank ", i, "'s input has ", sizes[i]);
+    }
   }
   TORCH_CHECK(counts[rank_] == static_cast<size_t>(in.numel()), "t3d: ", c.op, " on rank ", rank_, ": argument '",
               outArg, "[", rank_, "]' has ", counts[rank_], " elements but '", inArg, "' has ", in.numel());
@@ -548,23 +802,117 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::allgather(std::vector<std::vecto
                                                           std::vector<at::Tensor>& inputTensors,
                                                           const c10d::AllgatherOptions& opts) {
   OpCtx c = ctx("allgather");
-  checkListSize(c, "inputTensors", inputTensors.size(), 1);
-  checkListSize(c, "outputTensors", outputTensors.size(), 1);
+  TORCH_CHECK(!inputTensors.empty(), "t3d: allgather on rank ", rank_, ": argument 'inputTensors' is empty");
+  checkListSize(c, "outputTensors", outputTensors.size(), inputTensors.size());
   Plan p;
-  planAllgatherList(c, "outputTensors[0]", outputTensors[0], "inputTensors[0]", inputTensors[0], p);
+  if (inputTensors.size() == 1) {
+    planAllgatherList(c, "outputTensors[0]", outputTensors[0], "inputTensors[0]", inputTensors[0], opts.timeout, p);
+    return run(c10d::OpType::ALLGATHER, c, std::move(p), opts.timeout, opts.asyncOp);
+  }
+  // Several tensors per rank (as gloo serves them): every output list receives all ranks' inputs, rank-major:
+  // outputTensors[i][r * k + j] is rank r's inputTensors[j], for k inputs per rank.
+  checkSameShapes(c, "inputTensors", inputTensors);
+  const size_t k = inputTensors.size();
+  for (size_t i = 0; i < k; ++i) {
+    std::string la = c10::str("outputTensors[", i, "]");
+    checkListSize(c, la.c_str(), outputTensors[i].size(), k * static_cast<size_t>(size_));
+    for (size_t j = 0; j < outputTensors[i].size(); ++j) {
+      std::string arg = c10::str("outputTensors[", i, "][", j, "]");
+      const at::Tensor& o = outputTensors[i][j];
+      checkTensor(c, arg.c_str(), o);
+      checkSameDtype(c, arg.c_str(), o, inputTensors[0], "inputTensors[0]");
+      TORCH_CHECK(o.numel() == inputTensors[0].numel(), "t3d: allgather on rank ", rank_, ": argument '", arg,
+                  "' has ", o.numel(), " elements but 'inputTensors[0]' has ", inputTensors[0].numel());
+    }
+  }
+  CType ct = moveType(c, "inputTensors[0]", inputTensors[0]);
+  const int64_t m = inputTensors[0].numel();
+  at::Tensor src = at::stack(inputTensors).reshape({-1});
+  at::Tensor flat = at::empty({m * static_cast<int64_t>(k) * size_}, src.options());
+  t3d_comm_t* cm = comm();
+  const void* sb = dataPtr(src);
+  void* rb = dataPtr(flat);
+  size_t n = static_cast<size_t>(m) * k * ct.scale;
+  p.issue.push_back([=](const t3d_opts_t& o, t3d_request_t** req) {
+    return t3d_allgather(cm, sb, rb, n, ct.dtype, &o, req);
+  });
+  p.keep.push_back(src);
+  p.keep.push_back(flat);
+  std::vector<std::vector<at::Tensor>> outs = outputTensors;
+  p.post.push_back([flat, outs, m](t3d_request_t*) {
+    for (const auto& list : outs) {
+      for (size_t j = 0; j < list.size(); ++j) {
+        if (m > 0) list[j].copy_(flat.narrow(0, static_cast<int64_t>(j) * m, m).view(list[j].sizes()));
+      }
+    }
+  });
+  for (const auto& list : outputTensors) p.outputs.insert(p.outputs.end(), list.begin(), list.end());
   return run(c10d::OpType::ALLGATHER, c, std::move(p), opts.timeout, opts.asyncOp);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::allgather_coalesced(
     std::vector<std::vector<at::Tensor>>& outputTensorLists, std::vector<at::Tensor>& inputTensors,
     const c10d::AllgatherOptions& opts) {
+  // torch's layout (and gloo's): outputTensorLists[r][i] receives rank r's inputTensors[i]. The inputs travel as
+  // one packed byte buffer per rank (any mix of dtypes), each piece aligned for its dtype.
   OpCtx c = ctx("allgather_coalesced");
-  checkListSize(c, "outputTensorLists", outputTensorLists.size(), inputTensors.size());
-  Plan p;
-  for (size_t i = 0; i < inputTensors.size(); ++i) {
-    std::string oa = c10::str("outputTensorLists[", i, "]"), ia = c10::str("inputTensors[", i, "]");
-    planAllgatherList(c, oa.c_str(), outputTensorLists[i], ia.c_str(), inputTensors[i], p);
+  TORCH_CHECK(outputTensorLists.size() == static_cast<size_t>(size_), "t3d: allgather_coalesced on rank ", rank_,
+              ": argument 'outputTensorLists' must hold one list per rank (", size_, "), got ",
+              outputTensorLists.size());
+  const size_t k = inputTensors.size();
+  std::vector<int64_t> offs(k);
+  int64_t bytes = 0;
+  for (size_t i = 0; i < k; ++i) {
+    std::string ia = c10::str("inputTensors[", i, "]");
+    checkTensor(c, ia.c_str(), inputTensors[i]);
+    const int64_t align = 16;
+    bytes = (bytes + align - 1) / align * align;
+    offs[i] = bytes;
+    bytes += inputTensors[i].numel() * static_cast<int64_t>(inputTensors[i].element_size());
   }
+  for (int r = 0; r < size_; ++r) {
+    std::string la = c10::str("outputTensorLists[", r, "]");
+    checkListSize(c, la.c_str(), outputTensorLists[r].size(), k);
+    for (size_t i = 0; i < k; ++i) {
+      std::string oa = c10::str("outputTensorLists[", r, "][", i, "]"), ia = c10::str("inputTensors[", i, "]");
+      const at::Tensor& o = outputTensorLists[r][i];
+      checkTensor(c, oa.c_str(), o);
+      checkSameDtype(c, oa.c_str(), o, inputTensors[i], ia.c_str());
+      TORCH_CHECK(o.numel() == inputTensors[i].numel(), "t3d: allgather_coalesced on rank ", rank_, ": argument '",
+                  oa, "' has ", o.numel(), " elements but '", ia, "' has ", inputTensors[i].numel());
+    }
+  }
+  at::Tensor anyT = k > 0 ? inputTensors[0] : at::empty({0}, at::kByte);
+  auto byteOpts = anyT.options().dtype(at::kByte).memory_format(at::MemoryFormat::Contiguous);
+  at::Tensor src = at::empty({bytes}, byteOpts);
+  auto piece = [](const at::Tensor& flatBytes, int64_t off, const at::Tensor& like) {
+    int64_t nb = like.numel() * static_cast<int64_t>(like.element_size());
+    return flatBytes.narrow(0, off, nb).view(like.scalar_type()).view(like.sizes());
+  };
+  for (size_t i = 0; i < k; ++i) {
+    if (inputTensors[i].numel() > 0) piece(src, offs[i], inputTensors[i]).copy_(inputTensors[i]);
+  }
+  at::Tensor flat = at::empty({bytes * size_}, byteOpts);
+  t3d_comm_t* cm = comm();
+  const void* sb = dataPtr(src);
+  void* rb = dataPtr(flat);
+  size_t n = static_cast<size_t>(bytes);
+  Plan p;
+  p.issue.push_back([=](const t3d_opts_t& o, t3d_request_t** req) {
+    return t3d_allgather(cm, sb, rb, n, T3D_UINT8, &o, req);
+  });
+  p.keep.push_back(src);
+  p.keep.push_back(flat);
+  std::vector<std::vector<at::Tensor>> outs = outputTensorLists;
+  p.post.push_back([flat, outs, offs, bytes, piece](t3d_request_t*) {
+    for (size_t r = 0; r < outs.size(); ++r) {
+      at::Tensor block = flat.narrow(0, static_cast<int64_t>(r) * bytes, bytes);
+      for (size_t i = 0; i < outs[r].size(); ++i) {
+        if (outs[r][i].numel() > 0) outs[r][i].copy_(piece(block, offs[i], outs[r][i]));
+      }
+    }
+  });
+  for (const auto& list : outputTensorLists) p.outputs.insert(p.outputs.end(), list.begin(), list.end());
   return run(c10d::OpType::ALLGATHER_COALESCED, c, std::move(p), opts.timeout);
 }
 

@@ -153,13 +153,25 @@ class ProcessGroupT3D : public c10d::Backend {
     if (r != T3D_OK && r != T3D_IN_PROGRESS) fail(c, r, what);
   }
   void checkRoot(const OpCtx& c, int64_t root) const;
+  void checkRootTensor(const OpCtx& c, int64_t rootTensor, size_t n) const;
   void checkPeer(const OpCtx& c, const char* arg, int peer) const;
   Rop rop(const OpCtx& c, const c10d::ReduceOp& op) const;
 
   // Validation and staging for one operation; they append to a Plan and issue nothing.
   void planAllreduce(const OpCtx& c, const char* arg, const at::Tensor& t, Rop r, Plan& p);
+  // An uneven list (outputs of different sizes) first agrees on every rank's input size (allgatherInts).
   void planAllgatherList(const OpCtx& c, const char* outArg, const std::vector<at::Tensor>& outs, const char* inArg,
-                         const at::Tensor& in, Plan& p);
+                         const at::Tensor& in, std::chrono::milliseconds timeout, Plan& p);
+  // Several tensors of one rank (gloo's multi-tensor calls): each must match the first in dtype and shape.
+  void checkSameShapes(const OpCtx& c, const char* listArg, const std::vector<at::Tensor>& ts) const;
+  void planAllreduceLocalFold(const OpCtx& c, const std::vector<at::Tensor>& tensors, Rop r, Plan& p);
+  // A small allgather of int64 values that the caller waits for at once: sizes agreed before a collective whose
+  // shape depends on them. Not inside a coalescing block (it would be held there).
+  std::vector<int64_t> allgatherInts(const OpCtx& c, const std::vector<int64_t>& mine,
+                                     std::chrono::milliseconds timeout);
+  // COO tensors, SUM (and AVG): indices and values are all-gathered and summed on every rank, as gloo does.
+  c10::intrusive_ptr<c10d::Work> allreduceSparse(const OpCtx& c, std::vector<at::Tensor>& tensors,
+                                                 const c10d::AllreduceOptions& opts);
   void planAllgatherBase(const OpCtx& c, const char* outArg, const at::Tensor& out, const char* inArg,
                          const at::Tensor& in, Plan& p);
   void planReduceScatterList(const OpCtx& c, const at::Tensor& out, const std::vector<at::Tensor>& ins, Rop r,
