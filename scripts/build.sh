@@ -1,6 +1,12 @@
 #!/usr/bin/env bash
 # Builds the C library, its tests and the torch shim against the venv's torch, and installs the Python package
 # (editable, no build isolation). Usage: scripts/build.sh VENV [extra cmake args]
+#
+# The developer build is one CMake build, into build/ (tests and benchmarks included, for ctest and tests/python),
+# which writes the modules and the libraries they load into python/t3d/. The editable install only registers the
+# source tree (python/ on sys.path, the "torch.backends" entry point, the scripts) and runs no CMake: pyproject.toml's
+# override for editable installs. A wheel (`pip wheel . --no-build-isolation`) is built separately by
+# scikit-build-core, without tests or benchmarks (tests/python/test_wheel.py).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$1"; shift || true
@@ -16,6 +22,15 @@ installed_from() {
   "$VENV/bin/python" -I -c 'import os, t3d_autoload; print(os.path.dirname(os.path.realpath(t3d_autoload.__file__)))' \
     2>/dev/null || true
 }
+# The build backend (pyproject.toml): without build isolation it must be in the venv. It is not in requirements.txt,
+# whose hash names the venv (a new pin there would mean a new venv and another torch download).
+SKBUILD_CORE_VERSION=1.1.2
+if ! "$VENV/bin/python" -I -c 'import sys
+from importlib.metadata import version
+sys.exit(int(version("scikit-build-core").split(".")[0]) < 1)' 2>/dev/null; then
+  "$VENV/bin/pip" install -q "scikit-build-core==$SKBUILD_CORE_VERSION"
+fi
+
 mkdir -p "$BUILD"
 STAMP="$BUILD/.pip-install-$(sha256sum "$ROOT/pyproject.toml" | cut -c1-12)"
 if [ ! -f "$STAMP" ] || [ "$(installed_from)" != "$(realpath "$ROOT/python")" ]; then
@@ -23,7 +38,7 @@ if [ ! -f "$STAMP" ] || [ "$(installed_from)" != "$(realpath "$ROOT/python")" ];
   touch "$STAMP"
 fi
 
-cmake -S "$ROOT" -B "$BUILD" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DT3D_BUILD_SHIM=ON -DT3D_BUILD_TESTS=ON \
+cmake -S "$ROOT" -B "$BUILD" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DT3D_BUILD_SHIM=ON -DT3D_BUILD_TESTS=ON -DT3D_PY_INPLACE=ON \
   -DT3D_PYTHON="$VENV/bin/python" "$@" >/dev/null
 # The shim and libt3d land next to the Python sources (python/t3d/), where the package loads them.
 cmake --build "$BUILD" -j "$JOBS"
