@@ -6,7 +6,7 @@ want to change the installed torch, neither for the wheel nor for `pip install .
 
 The fresh venv gets torch without a download: `python -m venv --system-site-packages` would expose the base
 interpreter's site-packages, not this venv's, so instead a directory of symlinks to this venv's site-packages
-entries (all but t3d's own: its editable install, whose entry point would name a module the new venv cannot import,
+(and torch's, where that is another) entries (all but t3d's own: its editable install, whose entry point would name a module the new venv cannot import,
 and pip/setuptools, which the new venv has) is put on the new venv's sys.path by a .pth file. A .pth line that names
 a directory only appends it to sys.path: the .pth files inside it (the editable install's) do not run. The directory
 lies outside the new venv, so pip there treats what it holds as installed outside the environment and never
@@ -51,9 +51,16 @@ def _clean_env():
     return env
 
 
-def _torch_site_packages():
+def _site_dirs():
+    """This interpreter's site-packages and the one torch comes from (the same in the project's venv)."""
+    import site
+
     import torch
-    return os.path.dirname(os.path.dirname(os.path.realpath(torch.__file__)))
+    dirs = []
+    for d in site.getsitepackages() + [os.path.dirname(os.path.dirname(torch.__file__))]:
+        if os.path.isdir(d) and os.path.realpath(d) not in map(os.path.realpath, dirs):
+            dirs.append(d)
+    return dirs
 
 
 @pytest.fixture(scope="module")
@@ -72,10 +79,10 @@ def _fresh_venv(tmp):
     """A new venv in tmp whose only packages beyond pip are this venv's, t3d's excepted, through links (above)."""
     links = tmp / "torch-site"
     links.mkdir()
-    site = _torch_site_packages()
-    for name in sorted(os.listdir(site)):
-        if not _EXCLUDED.match(name):
-            os.symlink(os.path.join(site, name), links / name)
+    for site_dir in _site_dirs():
+        for name in sorted(os.listdir(site_dir)):
+            if not _EXCLUDED.match(name) and not (links / name).exists():
+                os.symlink(os.path.join(site_dir, name), links / name)
     venv = tmp / "venv"
     env = _clean_env()
     _run([sys.executable, "-m", "venv", str(venv)], timeout=300, cwd=tmp, env=env)
