@@ -32,7 +32,8 @@ if [ ! -f "$VENV/.complete" ]; then
   touch "$VENV/.complete"
 fi
 
-# 3. The build: C library, tests, shim and the Python package (editable, against the installed torch).
+# 3. The build: C library, tests, shim and the Python package (editable, against the installed torch; build.sh also
+#    installs the build backend, scikit-build-core, into the venv when it is missing).
 if [ "${T3D_SKIP_BUILD:-0}" != 1 ]; then
   "$ROOT/scripts/build.sh" "$VENV" >&2
 fi
