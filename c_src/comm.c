@@ -1000,7 +1000,7 @@ static t3d_result_t setup_shm(t3d_comm_t *comm, const char *want) {
                        ? "point-to-point off the shared-memory segment (T3D_SHM_P2P=0)"
                        : "point-to-point off the shared-memory segment (T3D_SHM_P2P=0 on some rank, or a rank may "
                          "not read another's memory with process_vm_readv: seccomp, Yama ptrace_scope or users)");
-    } else if (!T3D_HAVE_UCX && res != T3D_OK) {
+    } else if (!T3D_HAVE_UCX && res != T3D_OK && res != T3D_ERR_TIMEOUT) { /* a timeout: a peer did not come */
       char why[sizeof comm->last_error];
       snprintf(why, sizeof why, "the shared-memory segment cannot be used: %.960s", thread_last_error);
       res = no_ucx(comm, res, why);

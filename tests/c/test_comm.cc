@@ -1,6 +1,7 @@
 // test_comm.cc: communicator life cycle: init and its failures, split, two communicators used concurrently, argument
 // checking with named errors, operation timeouts, and abort from another thread.
 #include <gtest/gtest.h>
+#include <sys/statvfs.h>
 
 #include <algorithm>
 #include <atomic>
@@ -160,34 +161,42 @@ std::vector<std::pair<t3d_result_t, std::string>> InitEach(int n, const t3d_stor
 }
 
 // A build without UCX refuses, at init and on every rank, what only UCX could carry, with one line that says so,
-// names the rank and says what needed UCX; a build with UCX serves the same configurations.
+// names the rank and says what needed UCX; a build with UCX serves the same configurations (except a segment that
+// cannot be made, which fails there too).
 TEST(Comm, WhatNeedsUcxFailsAtInitWithoutIt) {
   struct Case {
-    const char *what, *transport, *env, *reason;
-    bool other_host;
+    std::string what, env;
+    const char *transport, *reason;
+    bool other_hosts, fails_with_ucx;
   };
-  const Case cases[] = {
-      {"transport ucx in the config", "ucx", nullptr, "'ucx'", false},
-      {"T3D_TRANSPORT=ucx", nullptr, "T3D_TRANSPORT=ucx", "'ucx'", false},
-      {"T3D_SHM_P2P=0", nullptr, "T3D_SHM_P2P=0", "T3D_SHM_P2P=0", false},
-      {"a rank on another host", nullptr, nullptr, "is on another host than rank", true},
+  std::vector<Case> cases = {
+      {"transport ucx in the config", "", "ucx", "its transport is 'ucx'", false, false},
+      {"T3D_TRANSPORT=ucx", "T3D_TRANSPORT=ucx", nullptr, "its transport is 'ucx'", false, false},
+      {"T3D_SHM_P2P=0", "T3D_SHM_P2P=0", nullptr, "(T3D_SHM_P2P=0)", false, false},
+      {"ranks on other hosts", "", nullptr, "is on another host than rank", true, false},
   };
+  struct statvfs fs;  // a segment larger than /dev/shm (as ShmFailure.SegmentTooLargeFailsInitClearly)
+  if (statvfs("/dev/shm", &fs) == 0 && fs.f_blocks > 0 && fs.f_blocks * fs.f_frsize <= (1ull << 42)) {
+    cases.push_back({"a segment too large for /dev/shm",
+                     "T3D_SHM_BYTES=" + std::to_string(static_cast<unsigned long long>(fs.f_blocks) * fs.f_frsize),
+                     nullptr, "the shared-memory segment cannot be used", false, true});
+  }
   for (const Case &c : cases) {
     SCOPED_TRACE(c.what);
-    std::string env = c.env ? c.env : "";
-    const size_t eq = env.find('=');
-    if (c.env) setenv(env.substr(0, eq).c_str(), env.substr(eq + 1).c_str(), 1);
+    const size_t eq = c.env.find('=');
+    if (!c.env.empty()) setenv(c.env.substr(0, eq).c_str(), c.env.substr(eq + 1).c_str(), 1);
     MemStore mem;
     OtherHostsStore other;
-    const auto results = InitEach(2, c.other_host ? other.store() : mem.store(), c.transport);
-    if (c.env) unsetenv(env.substr(0, eq).c_str());
+    const auto results = InitEach(2, c.other_hosts ? other.store() : mem.store(), c.transport);
+    if (!c.env.empty()) unsetenv(c.env.substr(0, eq).c_str());
     for (int r = 0; r < 2; ++r) {
       const std::string &text = results[r].second;
-      if (HasUcx()) {
-        EXPECT_EQ(results[r].first, T3D_OK) << "rank " << r << ": " << text;
-        continue;
+      if (c.fails_with_ucx) {
+        EXPECT_NE(results[r].first, T3D_OK) << "rank " << r;
+      } else {
+        EXPECT_EQ(results[r].first, HasUcx() ? T3D_OK : T3D_ERR_UNSUPPORTED) << "rank " << r << ": " << text;
       }
-      EXPECT_EQ(results[r].first, T3D_ERR_UNSUPPORTED) << "rank " << r << ": " << text;
+      if (HasUcx()) continue;
       EXPECT_NE(text.find("this build of t3d has no UCX"), std::string::npos) << text;
       EXPECT_NE(text.find(c.reason), std::string::npos) << text;
       EXPECT_TRUE(MentionsRank(text, r)) << text;
