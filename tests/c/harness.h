@@ -20,13 +20,8 @@ namespace t3dtest {
 int64_t TestTimeoutMs();
 
 // Whether this libt3d has the UCX transport (t3d_build_features has "ucx=no" when built with T3D_WITH_UCX=OFF).
-// Without it, every test binary that runs with T3D_TRANSPORT=ucx skips all its tests (harness.cc), and single
-// tests that need UCX skip with GTEST_SKIP_WITHOUT_UCX.
+// Without it, a test binary run with T3D_TRANSPORT=ucx (test_coll_ucx, test_p2p_ucx) skips all its tests.
 bool HasUcx();
-#define GTEST_SKIP_WITHOUT_UCX(why) \
-  if (::t3dtest::HasUcx()) {          \
-  } else                              \
-    GTEST_SKIP() << "this build of t3d has no UCX (T3D_WITH_UCX=OFF), which " << why
 
 // A name no other run in this process (or, through the pid, in another process) uses.
 std::string UniqueName(const std::string &tag);
