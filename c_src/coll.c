@@ -526,6 +526,33 @@ t3d_result_t t3d__execute_start(t3d_exec_t *ex, t3d_request_t *r) {
   return finish_inline(ex, r);
 }
 
+/* Gather and scatter run over the transport (algo/gather.c, algo/scatter.c). A build without UCX runs them through
+ * the segment: an alltoallv whose only non-empty blocks go to or come from the root. In place as there. */
+static t3d_result_t shm_rooted(t3d_exec_t *ex, int gather, const void *sendbuf, void *recvbuf, size_t bytes,
+                               int root) {
+  static char none;
+  int n = ex->size, me = ex->rank;
+  if (bytes == 0) return T3D_OK;
+  size_t *sc = calloc(4 * (size_t)n, sizeof *sc);
+  if (sc == NULL) return T3D_ERR_NO_MEMORY;
+  size_t *sd = sc + n, *rc = sc + 2 * n, *rd = sc + 3 * n;
+  char *own = me == root ? (char *)(gather ? recvbuf : (void *)sendbuf) + (size_t)me * bytes : NULL;
+  for (int p = 0; p < n && me == root; p++) {
+    if (p == root) continue;
+    (gather ? rc : sc)[p] = bytes;
+    (gather ? rd : sd)[p] = (size_t)p * bytes;
+  }
+  if (me != root) (gather ? sc : rc)[root] = bytes;
+  if (gather && me == root && sendbuf != NULL && sendbuf != recvbuf && (const char *)sendbuf != own)
+    memmove(own, sendbuf, bytes);
+  t3d_result_t res = t3d__shm_alltoallv(ex, sendbuf && (!gather || me != root) ? sendbuf : &none, sc, sd,
+                                        recvbuf && (gather || me != root) ? recvbuf : &none, rc, rd, 1, 0);
+  if (!gather && me == root && res == T3D_OK && recvbuf != NULL && recvbuf != sendbuf && (char *)recvbuf != own)
+    memmove(recvbuf, own, bytes);
+  free(sc);
+  return res;
+}
+
 t3d_result_t t3d__execute(t3d_exec_t *ex, t3d_request_t *r) {
   if (r->resume) return finish_inline(ex, r);
   size_t esize = r->kind == T3D_OP_BARRIER ? 1 : t3d_dtype_size(r->dtype);
@@ -539,8 +566,12 @@ t3d_result_t t3d__execute(t3d_exec_t *ex, t3d_request_t *r) {
     case T3D_OP_BROADCAST:
       return shm ? t3d__shm_broadcast(ex, r->recvbuf, r->count * esize, r->root)
                  : t3d__algo_broadcast(ex, r->recvbuf, r->count * esize, r->root);
-    case T3D_OP_GATHER: return t3d__algo_gather(ex, r->sendbuf, r->recvbuf, r->count * esize, r->root);
-    case T3D_OP_SCATTER: return t3d__algo_scatter(ex, r->sendbuf, r->recvbuf, r->count * esize, r->root);
+    case T3D_OP_GATHER:
+      if (shm && !T3D_HAVE_UCX) return shm_rooted(ex, 1, r->sendbuf, r->recvbuf, r->count * esize, r->root);
+      return t3d__algo_gather(ex, r->sendbuf, r->recvbuf, r->count * esize, r->root);
+    case T3D_OP_SCATTER:
+      if (shm && !T3D_HAVE_UCX) return shm_rooted(ex, 0, r->sendbuf, r->recvbuf, r->count * esize, r->root);
+      return t3d__algo_scatter(ex, r->sendbuf, r->recvbuf, r->count * esize, r->root);
     case T3D_OP_BARRIER: return shm ? t3d__shm_barrier(ex) : t3d__algo_barrier(ex);
     case T3D_OP_ALLGATHERV:
       b1 = to_bytes(r->rcounts, r->rdispls, ex->size, esize);

@@ -934,16 +934,26 @@ void t3d_config_init(t3d_config_t *cfg) {
   cfg->inline_bytes = T3D_INLINE_DEFAULT;
 }
 
+/* A build without UCX (T3D_HAVE_UCX 0: transport/ucx_none.c) serves a communicator only when the shared-memory
+ * segment carries all of it; anything else fails init on every rank with this error. */
+static t3d_result_t no_ucx(t3d_comm_t *comm, t3d_result_t res, const char *why) {
+  return t3d__set_error(comm, res,
+                        "t3d_comm_init: this build of t3d has no UCX (built with T3D_WITH_UCX=OFF or without UCX "
+                        "found), which rank %d of group '%s' needs: %s", comm->rank, comm->name, why);
+}
+
 /* T3D_TRANSPORT: "auto" (shared memory for collectives when every rank is on this host, UCX for the rest), "ucx"
  * (UCX only), "shm" (like auto, but an error when some rank is on another host). */
 static t3d_result_t pick_transport(t3d_comm_t *comm, const char *want) {
+  if (strcmp(want, "ucx") == 0 && !T3D_HAVE_UCX)
+    return no_ucx(comm, T3D_ERR_UNSUPPORTED, "its transport is 'ucx' (T3D_TRANSPORT or config)");
   if (strcmp(want, "auto") == 0 || strcmp(want, "ucx") == 0 || strcmp(want, "shm") == 0) {
     comm->tp = &t3d__transport_ucx;
     return T3D_OK;
   }
   return t3d__set_error(comm, T3D_ERR_UNSUPPORTED,
                         "t3d_comm_init: transport '%s' (T3D_TRANSPORT or config) is not available on rank %d; this "
-                        "build has: auto, ucx, shm", want, comm->rank);
+                        "build has: %s", want, comm->rank, T3D_HAVE_UCX ? "auto, ucx, shm" : "auto, shm");
 }
 
 /* Same host = same host name and same boot: containers that share a name but not memory differ in boot id only
@@ -960,8 +970,9 @@ static void host_identity(char *buf, size_t len) {
   snprintf(buf, len, "%s/%s", host, boot);
 }
 
+/* Without UCX even a group of one takes the segment: its sends to itself need the segment's point-to-point. */
 static t3d_result_t setup_shm(t3d_comm_t *comm, const char *want) {
-  if (strcmp(want, "ucx") == 0 || comm->size == 1) return T3D_OK;
+  if (strcmp(want, "ucx") == 0 || (comm->size == 1 && T3D_HAVE_UCX)) return T3D_OK;
   char mine[400], key[32];
   host_identity(mine, sizeof mine);
   snprintf(key, sizeof key, "host/%d", comm->rank);
@@ -981,13 +992,29 @@ static t3d_result_t setup_shm(t3d_comm_t *comm, const char *want) {
   }
   if (same) {
     t3d__backoff_note_ranks(comm->size); /* first: the segment's waiters follow it */
-    T3D_CHECK(t3d__shm_init(comm, &comm->shm));
-    t3d_result_t res = t3d__shm_p2p_attach(comm, comm->shm, &comm->shm_p2p);
+    t3d_result_t res = t3d__shm_init(comm, &comm->shm);
+    if (res == T3D_OK) res = t3d__shm_p2p_attach(comm, comm->shm, &comm->shm_p2p);
+    if (!T3D_HAVE_UCX && res == T3D_OK && comm->shm_p2p == NULL) {
+      res = no_ucx(comm, T3D_ERR_UNSUPPORTED,
+                   t3d__env_int("T3D_SHM_P2P", 1) == 0
+                       ? "point-to-point off the shared-memory segment (T3D_SHM_P2P=0)"
+                       : "point-to-point off the shared-memory segment (T3D_SHM_P2P=0 on some rank, or a rank may "
+                         "not read another's memory with process_vm_readv: seccomp, Yama ptrace_scope or users)");
+    } else if (!T3D_HAVE_UCX && res != T3D_OK && res != T3D_ERR_TIMEOUT) { /* a timeout: a peer did not come */
+      char why[sizeof comm->last_error];
+      snprintf(why, sizeof why, "the shared-memory segment cannot be used: %.960s", thread_last_error);
+      res = no_ucx(comm, res, why);
+    }
     if (res != T3D_OK) {
       t3d__shm_fini(comm->shm);
       comm->shm = NULL;
     }
     return res;
+  }
+  if (!T3D_HAVE_UCX) {
+    char why[96];
+    snprintf(why, sizeof why, "rank %d is on another host than rank %d", other, comm->rank);
+    return no_ucx(comm, T3D_ERR_UNSUPPORTED, why);
   }
   if (strcmp(want, "shm") == 0) {
     return t3d__set_error(comm, T3D_ERR_UNSUPPORTED,
@@ -1108,7 +1135,7 @@ t3d_result_t t3d_comm_status(t3d_comm_t *comm) {
 }
 const char *t3d_comm_transport(const t3d_comm_t *comm) {
   if (comm == NULL || comm->tp == NULL) return "";
-  return comm->shm != NULL ? "shm+ucx" : comm->tp->name;
+  return comm->shm != NULL ? (T3D_HAVE_UCX ? "shm+ucx" : "shm") : comm->tp->name;
 }
 
 typedef struct {

@@ -107,6 +107,9 @@ uint64_t t3d__p2p_tag(int64_t user_tag, int src) {
 
 const char *t3d_version_string(void) { return "0.1.0"; }
 
+/* T3D_BUILD_FEATURES: put together by c_src/CMakeLists.txt. */
+const char *t3d_build_features(void) { return T3D_BUILD_FEATURES; }
+
 /* Byte range [lo, hi) covered by the non-empty blocks (counts and displacements in elements of es bytes). */
 static void block_extent(int n, const size_t *counts, const size_t *displs, size_t es, size_t *lo, size_t *hi) {
   *lo = SIZE_MAX;

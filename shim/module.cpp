@@ -87,6 +87,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     d["torch_built"] = T3D_TORCH_BUILD_VERSION;
     d["torch_abi_version"] = TORCH_VERSION;
     d["ucx_version"] = t3d_ucx_version_string();
+    d["features"] = t3d_build_features();
     d["cuda"] = t3d_shim::cudaStreamsAvailable();
     // Loads NCCL if need be: in a CUDA build of torch this is the library torch already loaded.
     const char* nccl = t3d_nccl_version_string();

@@ -149,7 +149,8 @@ typedef struct {
 } shared_t;
 
 static int fail(int rank, const char *what, t3d_comm_t *c, t3d_result_t r) {
-  fprintf(stderr, "rank %d: %s -> %s: %s\n", rank, what, t3d_result_string(r), c ? t3d_comm_last_error(c) : "");
+  fprintf(stderr, "rank %d: %s -> %s: %s\n", rank, what, t3d_result_string(r),
+          c ? t3d_comm_last_error(c) : t3d_thread_last_error());
   return 1;
 }
 

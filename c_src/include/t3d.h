@@ -234,9 +234,17 @@ t3d_result_t t3d_request_set_callback(t3d_request_t *req, t3d_callback_t fn, voi
  * equal; each is freed as usual, which for that one does nothing. */
 void t3d_request_free(t3d_request_t *req);
 
-/* Library facts: "0.1.0", transports compiled in ("ucx"), UCX version. */
+/* Library facts: "0.1.0"; the version of the UCX library loaded ("" in a build without UCX). */
 const char *t3d_version_string(void);
 const char *t3d_ucx_version_string(void);
+/* What this build contains, as space-separated key=value words (more may come), e.g.
+ * "ucx=1.13.1 shm=yes nccl=dlopen sanitize=no":
+ *   ucx      the UCX headers it was built against, or "no" (T3D_WITH_UCX=OFF): then only groups whose ranks share a
+ *            host and can use the shared-memory segment for everything work, others fail at t3d_comm_init
+ *   shm      collectives and point-to-point through shared memory between the ranks of a host
+ *   nccl     "dlopen": CUDA buffers through the NCCL loaded at run time (t3d_nccl_version_string)
+ *   sanitize the -fsanitize list it was built with, or "no" */
+const char *t3d_build_features(void);
 /* The NCCL library that CUDA buffers would use ("2.27.5"), loading it if needed; "" when none can be loaded, and
  * then t3d_nccl_load_error() says why. T3D_NCCL_LIBRARY names the library file (default: libnccl.so.2, which in a
  * torch process is the copy torch loaded). */

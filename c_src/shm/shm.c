@@ -146,8 +146,9 @@ static t3d_result_t create_segment(t3d_comm_t *comm, t3d_shm_t *s, size_t rank_b
     snprintf(err, errlen,
              "cannot reserve %zu bytes in /dev/shm for the shared-memory segment of group '%s' (%d ranks x %zu bytes; "
              "T3D_SHM_BYTES sets the bytes per rank): %s; free space in /dev/shm (df -h /dev/shm), lower "
-             "T3D_SHM_BYTES, or set T3D_TRANSPORT=ucx",
-             total, comm->name, s->size, 2 * half, strerror(rc));
+             "T3D_SHM_BYTES%s",
+             total, comm->name, s->size, 2 * half, strerror(rc),
+             T3D_HAVE_UCX ? ", or set T3D_TRANSPORT=ucx" : "");
     res = (rc == ENOSPC || rc == ENOMEM || rc == EFBIG) ? T3D_ERR_NO_MEMORY : T3D_ERR_SYSTEM;
     goto fail;
   }
@@ -274,7 +275,8 @@ t3d_result_t t3d__shm_init(t3d_comm_t *comm, t3d_shm_t **out) {
       goto fail;
     }
     t3d_result_t peers = T3D_OK;
-    int all_bits = comm->size > 1 ? PROBE_CMA | PROBE_P2P : 0;
+    /* A group of one gets a segment only without UCX (comm.c), and then needs its point-to-point. */
+    int all_bits = comm->size > 1 ? PROBE_CMA | PROBE_P2P : probe_bits(s->pid, (uintptr_t)&cma_probe_word);
     for (int p = 1; p < comm->size && peers == T3D_OK; p++) {
       snprintf(key, sizeof key, "shm/mapped/%d", p);
       peers = t3d__store_get(comm, key, &v, &len);

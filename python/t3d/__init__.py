@@ -54,19 +54,25 @@ def _cpu_features() -> list[str]:
 def build_info() -> dict:
     """Versions and capabilities of this build: t3d, the torch it was built against, CUDA/NCCL/UCX, CPU features.
 
-    `cuda`: the backend serves CUDA tensors (built against a CUDA torch); `nccl_version`: the NCCL those would use
-    (loaded now if need be), or None with `nccl_error` saying why."""
+    `ucx`: the UCX transport is compiled in (without it, built with T3D_WITH_UCX=OFF, only groups whose ranks share
+    a host work, over shared memory); `ucx_version`: the UCX library loaded, or None; `features`: what libt3d was
+    built with (t3d_build_features(): ucx, shm, nccl, sanitize). `cuda`: the backend serves CUDA tensors (built
+    against a CUDA torch); `nccl_version`: the NCCL those would use (loaded now if need be), or None with
+    `nccl_error` saying why."""
     import torch
 
     info = dict(_C._build_info())
+    features = dict(word.split("=", 1) for word in info["features"].split() if "=" in word)
     return {
         "version": info["version"],
         "torch_built": info["torch_built"],
         "torch_runtime": torch.__version__,
+        "ucx": features.get("ucx", "no") != "no",
+        "ucx_version": info["ucx_version"] or None,
+        "features": features,
         "cuda": bool(info["cuda"]),
         "nccl_version": info["nccl_version"],
         "nccl_error": info["nccl_error"] or None,
-        "ucx_version": info["ucx_version"] or None,
         "cpu_features": _cpu_features(),
     }
 

@@ -19,6 +19,10 @@ namespace t3dtest {
 // T3D_TEST_TIMEOUT_MS (default 60000): the hard deadline of one RunRanks call and of every wait in the tests.
 int64_t TestTimeoutMs();
 
+// Whether this libt3d has the UCX transport (t3d_build_features has "ucx=no" when built with T3D_WITH_UCX=OFF).
+// Without it, a test binary run with T3D_TRANSPORT=ucx (test_coll_ucx, test_p2p_ucx) skips all its tests.
+bool HasUcx();
+
 // A name no other run in this process (or, through the pid, in another process) uses.
 std::string UniqueName(const std::string &tag);
 

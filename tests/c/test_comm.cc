@@ -1,6 +1,7 @@
 // test_comm.cc: communicator life cycle: init and its failures, split, two communicators used concurrently, argument
 // checking with named errors, operation timeouts, and abort from another thread.
 #include <gtest/gtest.h>
+#include <sys/statvfs.h>
 
 #include <algorithm>
 #include <atomic>
@@ -102,6 +103,155 @@ TEST(Comm, InitTimesOutWhenAPeerIsMissing) {
   EXPECT_EQ(r, T3D_ERR_TIMEOUT) << t3d_result_string(r);
   EXPECT_LT(took, 2 * cfg.timeout_ms + 500) << "init took " << took << " ms";
   if (comm) t3d_comm_destroy(comm);
+}
+
+// ---------- what needs UCX ----------
+
+// A store that puts every rank on a host of its own: each host identity read at init ("<prefix>/host/<rank>")
+// comes back changed.
+class OtherHostsStore {
+ public:
+  OtherHostsStore() {
+    store_.ctx = this;
+    store_.set = [](void *ctx, const char *key, const void *value, size_t len) {
+      const t3d_store_t *in = static_cast<OtherHostsStore *>(ctx)->inner_.store();
+      return in->set(in->ctx, key, value, len);
+    };
+    store_.get = [](void *ctx, const char *key, void **value, size_t *len, int64_t timeout_ms) {
+      const t3d_store_t *in = static_cast<OtherHostsStore *>(ctx)->inner_.store();
+      t3d_result_t r = in->get(in->ctx, key, value, len, timeout_ms);
+      if (r != T3D_OK || strstr(key, "/host/") == nullptr || *len == 0) return r;
+      const std::string moved = std::string(static_cast<const char *>(*value), *len - 1) + "-elsewhere";
+      free(*value);
+      *value = strdup(moved.c_str());
+      *len = moved.size() + 1;
+      return *value ? T3D_OK : T3D_ERR_NO_MEMORY;
+    };
+  }
+  const t3d_store_t *store() const { return &store_; }
+
+ private:
+  MemStore inner_;
+  t3d_store_t store_;
+};
+
+// Each of n ranks (threads) runs t3d_comm_init alone; returns each rank's result and error text, and destroys the
+// communicators made.
+std::vector<std::pair<t3d_result_t, std::string>> InitEach(int n, const t3d_store_t *store, const char *transport) {
+  std::vector<std::pair<t3d_result_t, std::string>> out(n);
+  std::vector<t3d_comm_t *> comms(n, nullptr);
+  const std::string prefix = UniqueName("needs-ucx");
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      t3d_config_t cfg;
+      t3d_config_init(&cfg);
+      cfg.timeout_ms = 20000;
+      cfg.key_prefix = prefix.c_str();
+      cfg.name = "needs-ucx";
+      cfg.transport = transport;
+      out[r].first = t3d_comm_init(&comms[r], r, n, store, &cfg);
+      out[r].second = t3d_thread_last_error();
+    });
+  }
+  for (auto &t : threads) t.join();
+  for (t3d_comm_t *c : comms)
+    if (c) t3d_comm_destroy(c);
+  return out;
+}
+
+// A build without UCX refuses, at init and on every rank, what only UCX could carry, with one line that says so,
+// names the rank and says what needed UCX; a build with UCX serves the same configurations (except a segment that
+// cannot be made, which fails there too).
+TEST(Comm, WhatNeedsUcxFailsAtInitWithoutIt) {
+  struct Case {
+    std::string what, env;
+    const char *transport, *reason;
+    bool other_hosts, fails_with_ucx;
+  };
+  std::vector<Case> cases = {
+      {"transport ucx in the config", "", "ucx", "its transport is 'ucx'", false, false},
+      {"T3D_TRANSPORT=ucx", "T3D_TRANSPORT=ucx", nullptr, "its transport is 'ucx'", false, false},
+      {"T3D_SHM_P2P=0", "T3D_SHM_P2P=0", nullptr, "(T3D_SHM_P2P=0)", false, false},
+      {"ranks on other hosts", "", nullptr, "is on another host than rank", true, false},
+  };
+  struct statvfs fs;  // a segment larger than /dev/shm (as ShmFailure.SegmentTooLargeFailsInitClearly)
+  if (statvfs("/dev/shm", &fs) == 0 && fs.f_blocks > 0 && fs.f_blocks * fs.f_frsize <= (1ull << 42)) {
+    cases.push_back({"a segment too large for /dev/shm",
+                     "T3D_SHM_BYTES=" + std::to_string(static_cast<unsigned long long>(fs.f_blocks) * fs.f_frsize),
+                     nullptr, "the shared-memory segment cannot be used", false, true});
+  }
+  for (const Case &c : cases) {
+    SCOPED_TRACE(c.what);
+    const size_t eq = c.env.find('=');
+    if (!c.env.empty()) setenv(c.env.substr(0, eq).c_str(), c.env.substr(eq + 1).c_str(), 1);
+    MemStore mem;
+    OtherHostsStore other;
+    const auto results = InitEach(2, c.other_hosts ? other.store() : mem.store(), c.transport);
+    if (!c.env.empty()) unsetenv(c.env.substr(0, eq).c_str());
+    for (int r = 0; r < 2; ++r) {
+      const std::string &text = results[r].second;
+      if (c.fails_with_ucx) {
+        EXPECT_NE(results[r].first, T3D_OK) << "rank " << r;
+      } else {
+        EXPECT_EQ(results[r].first, HasUcx() ? T3D_OK : T3D_ERR_UNSUPPORTED) << "rank " << r << ": " << text;
+      }
+      if (HasUcx()) continue;
+      EXPECT_NE(text.find("this build of t3d has no UCX"), std::string::npos) << text;
+      EXPECT_NE(text.find(c.reason), std::string::npos) << text;
+      EXPECT_TRUE(MentionsRank(text, r)) << text;
+      EXPECT_EQ(text.find('\n'), std::string::npos) << text;
+    }
+  }
+}
+
+// Without UCX a group of one still sends to itself and gathers: it gets a segment too.
+TEST(Comm, GroupOfOneSendsToItself) {
+  RunRanks(1, [](int, t3d_comm_t *comm) {
+    if (!HasUcx()) {
+      EXPECT_STREQ(t3d_comm_transport(comm), "shm");
+    }
+    int32_t out[3] = {7, 8, 9}, in[3] = {0, 0, 0};
+    t3d_request_t *rq = nullptr, *sq = nullptr;
+    T3D_ASSERT_OK(comm, t3d_recv(comm, in, 3, T3D_INT32, 0, 5, nullptr, &rq));
+    T3D_ASSERT_OK(comm, t3d_send(comm, out, 3, T3D_INT32, 0, 5, nullptr, &sq));
+    T3D_EXPECT_OK(comm, Finish(sq));
+    T3D_EXPECT_OK(comm, Finish(rq));
+    EXPECT_EQ(in[0] + in[1] + in[2], 24);
+    int32_t g[3] = {0, 0, 0};
+    EXPECT_TRUE(RunOk(comm, "gather", [&](t3d_request_t **q) {
+      return t3d_gather(comm, out, g, 3, T3D_INT32, 0, nullptr, q);
+    }));
+    EXPECT_EQ(g[2], 9);
+  });
+}
+
+// Gather and scatter in place at the root (as MPI_IN_PLACE: the whole buffer, or the root's own block), over
+// UCX's algorithms or, in a build without UCX, through the segment.
+TEST(Comm, GatherScatterInPlaceAtRoot) {
+  const int n = 3, root = 1, count = 5;
+  RunRanks(n, [&](int rank, t3d_comm_t *comm) {
+    for (int how = 1; how < 3; ++how) {
+      std::vector<int32_t> all(n * count, -1), mine(count);
+      for (int i = 0; i < count; ++i) mine[i] = 100 * rank + i;
+      int32_t *own = all.data() + root * count;
+      if (rank == root) std::copy(mine.begin(), mine.end(), own);
+      const void *send = rank != root ? mine.data() : how == 1 ? all.data() : own;
+      EXPECT_TRUE(RunOk(comm, "gather in place " + std::to_string(how), [&](t3d_request_t **q) {
+        return t3d_gather(comm, send, rank == root ? all.data() : nullptr, count, T3D_INT32, root, nullptr, q);
+      }));
+      if (rank == root) {
+        for (int i = 0; i < n * count; ++i) EXPECT_EQ(all[i], 100 * (i / count) + i % count) << "how " << how;
+      }
+      std::vector<int32_t> got(count, -1);
+      void *recv = rank != root ? got.data() : how == 1 ? all.data() : own;
+      EXPECT_TRUE(RunOk(comm, "scatter in place " + std::to_string(how), [&](t3d_request_t **q) {
+        return t3d_scatter(comm, rank == root ? all.data() : nullptr, recv, count, T3D_INT32, root, nullptr, q);
+      }));
+      const int32_t *check = rank == root ? own : got.data();
+      for (int i = 0; i < count; ++i) EXPECT_EQ(check[i], 100 * rank + i) << "how " << how;
+    }
+  });
 }
 
 // ---------- split ----------
