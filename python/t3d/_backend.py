@@ -21,9 +21,10 @@ def _enable_cpu_integrations() -> None:
 
     - t3d.cp: torch's context_parallel on CPU SDPA (torch 2.9 handles only the CUDA kernels). It adds handlers for
       CPU ops that torch otherwise refuses, so nothing that worked changes.
-    - t3d.hf's loading fix, when the script has already imported transformers: from_pretrained(device_mesh=<CPU
-      mesh>, tp_plan=...) in transformers 4.57 reads weights as CUDA device N on a CPU mesh (fix_cpu_tp_loading).
-      transformers is never imported from here.
+    - t3d.hf's loading fix, when the script has already imported transformers: from_pretrained(device_mesh=<mesh>,
+      tp_plan=...) in transformers 4.57 reads weights as CUDA device N on a CPU mesh, and transformers 5 replaces
+      the mesh by one of WORLD_SIZE // (dp * pp) ranks (fix_cpu_tp_loading). transformers is never imported from
+      here.
 
     T3D_AUTO_INTEGRATIONS=0 turns this off; a failure warns and leaves the group working.
     """
@@ -66,7 +67,9 @@ def _create(dist_backend_opts, backend_options):
 def register() -> None:
     """Registers "t3d" for cpu and cuda once; later calls do nothing."""
     global _registered
-    if _registered or BACKEND_NAME.upper() in dist.Backend._plugins:
+    from ._compat.torch_compat import backend_registered
+
+    if _registered or backend_registered(BACKEND_NAME):
         _registered = True
         return
     dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu", "cuda"])
