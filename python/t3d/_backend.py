@@ -26,6 +26,9 @@ def _enable_cpu_integrations() -> None:
       the mesh by one of WORLD_SIZE // (dp * pp) ranks (fix_cpu_tp_loading). transformers is never imported from
       here.
 
+    - torch_compat.fix_fsdp1_optim_state_dict: torch 2.15's get_state_dict(model, optim) under FSDP1 on a dp
+      sub-mesh without global rank 0 broadcasts from global rank 0 in a group that lacks it (the example's DCP save).
+
     T3D_AUTO_INTEGRATIONS=0 turns this off; a failure warns and leaves the group working.
     """
     global _integrations_done
@@ -40,6 +43,12 @@ def _enable_cpu_integrations() -> None:
         cp.enable()
     except Exception as e:  # a torch without the private hooks: t3d.cp's own error says which
         warnings.warn(f"t3d: context_parallel on CPU is not available: {e}", stacklevel=2)
+    try:
+        from ._compat.torch_compat import fix_fsdp1_optim_state_dict
+
+        fix_fsdp1_optim_state_dict()
+    except Exception as e:  # never break the group over it
+        warnings.warn(f"t3d: the FSDP1 optimizer state-dict fix could not be applied: {e}", stacklevel=2)
     if "transformers" in sys.modules:
         try:
             from . import hf  # noqa: F401  (applies fix_cpu_tp_loading on import)

@@ -147,6 +147,20 @@ def _torch_world_checks(rank, ws):
     entries = [(n, numel, tuple(s)) for lay in layouts if lay for n, numel, s in lay if n is not None]
     assert entries == [("0.weight", 12, (4, 3)), ("0.bias", 4, (4,)), ("1.weight", 8, (2, 4)),
                        ("1.bias", 2, (2,))], entries
+
+    # get_state_dict(model, optim) under FSDP1 on a sub-mesh: ranks 1 and 3 form a group without global rank 0
+    # (torch 2.15 broadcasts "from rank 0" in it; the fix, installed when the t3d group was created, makes that the
+    # group's rank 0). torch 2.9 passes no group and needs no fix.
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from t3d._compat.torch_compat import fix_fsdp1_optim_state_dict
+
+    assert fix_fsdp1_optim_state_dict() is (version_tuple(torch.__version__) >= (2, 15))
+    optim = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(2, 3)).sum().backward()
+    optim.step()
+    _, osd = get_state_dict(model, optim)
+    assert set(osd["state"]) == {"0.weight", "0.bias", "1.weight", "1.bias"}, sorted(osd["state"])
     return True
 
 

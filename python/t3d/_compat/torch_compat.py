@@ -7,6 +7,8 @@ What moved between the two ends:
   ..._context_parallel._attention and the table is called `custom_ops` (still a dict merged into DTensor's
   `_custom_op_handlers` each time context_parallel is entered, so handlers added to it take effect the same way).
   The options object `_cp_options` (enable_load_balance, and from 2.15 rotate_method) is in both modules.
+- torch.distributed.checkpoint.state_dict now passes FSDP1's process group to FSDP.optim_state_dict, which
+  broadcasts from src=0 meaning the group's rank 0: fix_fsdp1_optim_state_dict() (a torch bug, not a move).
 - Everything else t3d reaches into (DeviceMesh._flatten, FSDP1 FlatParameter's _fqns/_shapes/_numels_with_padding/
   _is_padding_mask, distributed_c10d._get_default_group, ProcessGroup._get_backend, Backend._plugins) is unchanged
   from 2.9 to 2.15; the functions below still check for it and fail with one line if a later torch drops it.
@@ -159,6 +161,56 @@ def backend_registered(name: str) -> bool:
     return name.upper() in plugins
 
 
+class _GroupRankSrc:
+    """torch.distributed as FSDP1's _optim_utils sees it after fix_fsdp1_optim_state_dict(): broadcast and
+    broadcast_object_list take `src` as a rank of `group` (what _optim_utils means: it tests
+    dist.get_rank(group) == 0 before each of them); everything else is torch.distributed itself."""
+
+    def __init__(self, dist):
+        self._dist = dist
+
+    def __getattr__(self, name):
+        return getattr(self._dist, name)
+
+    def _as_group_src(self, kwargs):
+        group, src = kwargs.get("group"), kwargs.get("src")
+        if group is not None and src is not None and kwargs.get("group_src") is None:
+            kwargs["group_src"] = kwargs.pop("src")
+        return kwargs
+
+    def broadcast_object_list(self, object_list, **kwargs):
+        return self._dist.broadcast_object_list(object_list, **self._as_group_src(kwargs))
+
+    def broadcast(self, tensor, **kwargs):
+        return self._dist.broadcast(tensor, **self._as_group_src(kwargs))
+
+
+def fix_fsdp1_optim_state_dict() -> bool:
+    """get_state_dict(model, optim) with FSDP1 over a sub-mesh that does not hold global rank 0 (idempotent).
+
+    From torch 2.10 or so (2.15 here; 2.9 passes no group) torch.distributed.checkpoint.state_dict hands FSDP's own
+    process group to FSDP.optim_state_dict, whose _optim_utils then calls broadcast_object_list(..., src=0,
+    group=group) / broadcast(..., src=0, group=group), meaning the group's rank 0, while torch reads `src` as a
+    global rank: "ValueError: Global rank 0 is not part of group" on every dp group but the first (transformers'
+    examples/3D_parallel.py with DP_SIZE=2 at its DCP save). The fix gives that one module a torch.distributed whose
+    two broadcasts take `src` as a group rank. Returns True when installed (or already), False where torch passes
+    no group (nothing to fix) or the module is not there.
+    """
+    try:
+        from torch.distributed.checkpoint import state_dict as dcp_state_dict
+        from torch.distributed.fsdp import _optim_utils
+    except ImportError:
+        return False
+    if not hasattr(dcp_state_dict, "_get_fsdp_process_group"):
+        return False
+    if isinstance(getattr(_optim_utils, "dist", None), _GroupRankSrc):
+        return True
+    if getattr(_optim_utils, "dist", None) is None:
+        return False
+    _optim_utils.dist = _GroupRankSrc(_optim_utils.dist)
+    return True
+
+
 __all__ = ["CPHooks", "CP_TABLE_LOCATIONS", "TESTED", "backend_registered", "cp_hooks", "cp_load_balance",
-           "cp_unshard", "default_group", "dtensor_local", "flat_param_layout", "flatten_mesh", "group_backend",
+           "cp_unshard", "default_group", "dtensor_local", "fix_fsdp1_optim_state_dict", "flat_param_layout", "flatten_mesh", "group_backend",
            "set_cp_load_balance", "set_cp_rotate_method", "torch_version"]
