@@ -82,8 +82,10 @@ def transport(group=None) -> str:
     import torch
     import torch.distributed as dist
 
-    pg = group if group is not None else dist.distributed_c10d._get_default_group()
-    return _C._transport(pg._get_backend(torch.device("cpu")))
+    from ._compat import torch_compat
+
+    pg = group if group is not None else torch_compat.default_group()
+    return _C._transport(torch_compat.group_backend(pg, torch.device("cpu")))
 
 
 __all__ = ["BACKEND_NAME", "build_info", "register", "transport", "__version__"]

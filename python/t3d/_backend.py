@@ -21,9 +21,13 @@ def _enable_cpu_integrations() -> None:
 
     - t3d.cp: torch's context_parallel on CPU SDPA (torch 2.9 handles only the CUDA kernels). It adds handlers for
       CPU ops that torch otherwise refuses, so nothing that worked changes.
-    - t3d.hf's loading fix, when the script has already imported transformers: from_pretrained(device_mesh=<CPU
-      mesh>, tp_plan=...) in transformers 4.57 reads weights as CUDA device N on a CPU mesh (fix_cpu_tp_loading).
-      transformers is never imported from here.
+    - t3d.hf's loading fix, when the script has already imported transformers: from_pretrained(device_mesh=<mesh>,
+      tp_plan=...) in transformers 4.57 reads weights as CUDA device N on a CPU mesh, and transformers 5 replaces
+      the mesh by one of WORLD_SIZE // (dp * pp) ranks (fix_cpu_tp_loading). transformers is never imported from
+      here.
+
+    - torch_compat.fix_fsdp1_optim_state_dict: torch 2.15's get_state_dict(model, optim) under FSDP1 on a dp
+      sub-mesh without global rank 0 broadcasts from global rank 0 in a group that lacks it (the example's DCP save).
 
     T3D_AUTO_INTEGRATIONS=0 turns this off; a failure warns and leaves the group working.
     """
@@ -39,6 +43,12 @@ def _enable_cpu_integrations() -> None:
         cp.enable()
     except Exception as e:  # a torch without the private hooks: t3d.cp's own error says which
         warnings.warn(f"t3d: context_parallel on CPU is not available: {e}", stacklevel=2)
+    try:
+        from ._compat.torch_compat import fix_fsdp1_optim_state_dict
+
+        fix_fsdp1_optim_state_dict()
+    except Exception as e:  # never break the group over it
+        warnings.warn(f"t3d: the FSDP1 optimizer state-dict fix could not be applied: {e}", stacklevel=2)
     if "transformers" in sys.modules:
         try:
             from . import hf  # noqa: F401  (applies fix_cpu_tp_loading on import)
@@ -66,7 +76,9 @@ def _create(dist_backend_opts, backend_options):
 def register() -> None:
     """Registers "t3d" for cpu and cuda once; later calls do nothing."""
     global _registered
-    if _registered or BACKEND_NAME.upper() in dist.Backend._plugins:
+    from ._compat.torch_compat import backend_registered
+
+    if _registered or backend_registered(BACKEND_NAME):
         _registered = True
         return
     dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu", "cuda"])

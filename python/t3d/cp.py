@@ -6,8 +6,9 @@ table knows only the CUDA kernels (flash, efficient, cudnn); on CPU, SDPA lowers
 aten._scaled_dot_product_flash_attention_for_cpu (and its backward), which then fails ("Operator
 aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy registered").
 
-enable() adds handlers for the two CPU ops to that table (the private `customized_ops` dict of
-torch.distributed.tensor.experimental._attention, read each time the context is entered). They run
+enable() adds handlers for the two CPU ops to that table (a private dict, read each time the context is entered:
+`customized_ops` of torch.distributed.tensor.experimental._attention in torch 2.9, `custom_ops` of
+..._context_parallel._attention in torch 2.15; t3d._compat.torch_compat finds it). They run
 t3d.nn.ring_attention's forward/backward over the mesh's process group: key/value blocks travel the ring by P2P
 (whatever torch's rotate method says), the partial results merge by log-sum-exp and causal masking uses the true
 global positions of each rank's chunks, so results equal non-parallel SDPA (up to float rounding). Torch's load
@@ -22,38 +23,23 @@ dropout, a mesh of more than one dimension.
 
 from __future__ import annotations
 
-import importlib
 from typing import Optional
 
 import torch
 
-_MODULES = (
-    "torch.distributed.tensor.experimental._attention",
-    "torch.distributed.tensor.experimental._context_parallel._attention",
-)
+from ._compat import torch_compat
+
 _enabled = False
 
 
 def _hook_table():
-    """torch's CP op-handler dict, or a RuntimeError that names the installed torch."""
-    errors = []
-    for name in _MODULES:
-        try:
-            mod = importlib.import_module(name)
-        except ImportError as e:
-            errors.append(f"{name}: {e}")
-            continue
-        table = getattr(mod, "customized_ops", None)
-        if isinstance(table, dict) and hasattr(mod, "_cp_options"):
-            return mod, table
-        errors.append(f"{name}: no `customized_ops` dict / `_cp_options`")
-    raise RuntimeError(
-        f"t3d.cp: torch {torch.__version__} does not have the private context-parallel hooks t3d uses "
-        f"(built and tested with torch 2.9.1): " + "; ".join(errors))
+    """torch's CP hooks (module, handler dict), or t3d._compat.CompatError naming the installed torch."""
+    hooks = torch_compat.cp_hooks()
+    return hooks.module, hooks.table
 
 
-def _layout(mod) -> str:
-    return "zigzag" if getattr(mod._cp_options, "enable_load_balance", False) else "contiguous"
+def _layout() -> str:
+    return "zigzag" if torch_compat.cp_load_balance() else "contiguous"
 
 
 def _unwrap(x, what):
@@ -66,7 +52,7 @@ def _unwrap(x, what):
                                   f"supports a 1-D mesh (pass the CP sub-mesh)")
     if tuple(x.placements) != (Shard(2),):
         raise NotImplementedError(f"t3d.cp: '{what}' has placements {x.placements}; expected (Shard(dim=2),)")
-    return x._local_tensor, x.device_mesh
+    return torch_compat.dtensor_local(x), x.device_mesh
 
 
 def _wrap(local, mesh):
@@ -87,12 +73,11 @@ def _flash_cpu(query, key, value, dropout_p: float = 0.0, is_causal: bool = Fals
                scale: Optional[float] = None):
     from .nn.ring import ring_forward
 
-    mod, _ = _hook_table()
     _check_unsupported(dropout_p, attn_mask)
     q, mesh = _unwrap(query, "query")
     k, _ = _unwrap(key, "key")
     v, _ = _unwrap(value, "value")
-    out, lse = ring_forward(q, k, v, mesh.get_group(), bool(is_causal), _layout(mod), scale)
+    out, lse = ring_forward(q, k, v, mesh.get_group(), bool(is_causal), _layout(), scale)
     return _wrap(out, mesh), _wrap(lse, mesh)
 
 
@@ -100,7 +85,6 @@ def _flash_cpu_backward(grad_out, query, key, value, out, logsumexp, dropout_p: 
                         attn_mask=None, scale: Optional[float] = None):
     from .nn.ring import ring_backward
 
-    mod, _ = _hook_table()
     _check_unsupported(dropout_p, attn_mask)
     q, mesh = _unwrap(query, "query")
     k, _ = _unwrap(key, "key")
@@ -109,7 +93,7 @@ def _flash_cpu_backward(grad_out, query, key, value, out, logsumexp, dropout_p: 
     o, _ = _unwrap(out, "out")
     lse, _ = _unwrap(logsumexp, "logsumexp")
     dq, dk, dv = ring_backward(dout.contiguous(), q, k, v, o.contiguous().to(q.dtype), lse.float().contiguous(),
-                               mesh.get_group(), bool(is_causal), _layout(mod), scale)
+                               mesh.get_group(), bool(is_causal), _layout(), scale)
     return _wrap(dq, mesh), _wrap(dk, mesh), _wrap(dv, mesh)
 
 
@@ -147,9 +131,8 @@ def is_enabled() -> bool:
 
 
 def set_load_balance(enabled: bool) -> None:
-    """torch's CP load balancing (private option in torch 2.9): True -> zigzag chunks, False -> contiguous."""
-    mod, _ = _hook_table()
-    mod._cp_options.enable_load_balance = bool(enabled)
+    """torch's CP load balancing (a private option): True -> zigzag chunks, False -> contiguous."""
+    torch_compat.set_cp_load_balance(enabled)
 
 
 enable()

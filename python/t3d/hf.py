@@ -9,9 +9,9 @@ no mask and runs as causal; a 4-D mask that is exactly causal (aligned bottom-ri
 all-visible is recognised and turned into (causal, q_start). Any other mask (padding, sliding windows, packed
 sequences, arbitrary biases) raises ValueError: t3d's kernels cannot express it. Dropout > 0 in training raises too.
 
-`import t3d.hf` also applies one compatibility fix for a transformers bug, so that
-`from_pretrained(path, device_mesh=tp_mesh, tp_plan="auto")` (as in transformers' examples/3D_parallel.py) loads on a
-CPU mesh: see fix_cpu_tp_loading(). Nothing else in transformers is changed.
+`import t3d.hf` also applies one compatibility fix, so that `from_pretrained(path, device_mesh=tp_mesh, tp_plan="auto")`
+(as in transformers' examples/3D_parallel.py) shards over exactly that mesh, on CPU: see fix_cpu_tp_loading(). Nothing
+else in transformers is changed.
 """
 
 from __future__ import annotations
@@ -95,53 +95,21 @@ def register() -> None:
         pass
 
 
-def _strip_cpu_index(device_map):
-    """device_map with every torch.device("cpu", N) replaced by torch.device("cpu"); other entries unchanged."""
-    if isinstance(device_map, dict) and any(isinstance(d, torch.device) and d.type == "cpu" and d.index is not None
-                                            for d in device_map.values()):
-        return {k: torch.device("cpu") if isinstance(d, torch.device) and d.type == "cpu" else d
-                for k, d in device_map.items()}
-    return device_map
-
-
 def fix_cpu_tp_loading() -> bool:
-    """Make from_pretrained(..., device_mesh=<CPU mesh>, tp_plan="auto") load on CPU (transformers 4.x; idempotent).
+    """Make from_pretrained(path, device_mesh=<mesh>, tp_plan="auto") (as in transformers' examples/3D_parallel.py)
+    shard over the ranks of that mesh, on CPU too (idempotent). Returns True when the fix is in place.
 
-    The bug: given a `device_mesh`, transformers (4.57) sets
-    device_map = torch.device(f"{mesh.device_type}:{LOCAL_RANK}") (its mesh-less path uses an index only for
-    accelerators). For a CPU mesh that is cpu:N, and modeling_utils._load_state_dict_into_meta_model passes N, a bare
-    int, to safetensors' safe_open(device=N), which takes it for CUDA device N: "RuntimeError: Found no NVIDIA
-    driver" on every rank (cpu:0 included) on a machine without a GPU; with one, by the same code, the weights of a
-    CPU mesh would be read onto a GPU.
-
-    The fix wraps that one function: a device_map entry torch.device("cpu", N) becomes torch.device("cpu") (for torch
-    the same device: a CPU tensor has no index), so tensors are read on the CPU; any other device_map (CUDA, "auto",
-    dicts of ints) passes through untouched, and the sharding (shard_and_distribute_module) is transformers' own.
-    Returns True when the wrapper is (already) installed, False when this transformers has no such function.
+    transformers 4.57: given a `device_mesh` it sets device_map = torch.device(f"{mesh.device_type}:{LOCAL_RANK}");
+    for a CPU mesh, _load_state_dict_into_meta_model passes that N to safetensors' safe_open(device=N), which takes it
+    for CUDA device N ("RuntimeError: Found no NVIDIA driver" on every rank of a machine without a GPU). The fix wraps
+    that one function so that cpu:N becomes cpu. transformers 5: the mesh argument is replaced by a mesh of
+    WORLD_SIZE // (dp * pp) ranks of transformers' own, so with dp or cp > 1 the weights are split over the wrong
+    ranks; the fix makes a call with an explicit device_mesh load whole and apply the model's TP plan over that
+    mesh's "tp" dimension. Both live in t3d._compat.hf_compat.install_mesh_loading_fix.
     """
-    try:
-        from transformers import modeling_utils
-    except ImportError:
-        return False
-    original = getattr(modeling_utils, "_load_state_dict_into_meta_model", None)
-    if original is None:  # another loader (transformers 5): nothing to fix here
-        return False
-    if getattr(original, "_t3d_cpu_tp_fix", False):
-        return True
+    from ._compat import hf_compat
 
-    import functools
-
-    @functools.wraps(original)
-    def _load_state_dict_into_meta_model(*args, **kwargs):
-        if "device_map" in kwargs:
-            kwargs["device_map"] = _strip_cpu_index(kwargs["device_map"])
-        elif len(args) > 4:  # (model, state_dict, shard_file, reverse_renaming_mapping, device_map, ...)
-            args = (*args[:4], _strip_cpu_index(args[4]), *args[5:])
-        return original(*args, **kwargs)
-
-    _load_state_dict_into_meta_model._t3d_cpu_tp_fix = True
-    modeling_utils._load_state_dict_into_meta_model = _load_state_dict_into_meta_model
-    return True
+    return hf_compat.install_mesh_loading_fix()
 
 
 register()

@@ -29,9 +29,9 @@ def _cp_checks(rank, ws):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental import context_parallel
-    from torch.distributed.tensor.experimental._attention import context_parallel_unshard
 
     import t3d.cp
+    from t3d._compat.torch_compat import cp_unshard as context_parallel_unshard
 
     mesh = init_device_mesh("cpu", (ws,), mesh_dim_names=("cp",))
     done = []
@@ -72,21 +72,25 @@ def test_context_parallel_cpu_matches_single_process(ws):
 
 def test_missing_hooks_name_the_torch_version(monkeypatch):
     import t3d.cp
+    from t3d._compat import torch_compat
 
-    monkeypatch.setattr(t3d.cp, "_MODULES", ("t3d_no_such_module_for_test",))
-    with pytest.raises(RuntimeError, match=re.escape(f"torch {torch.__version__} does not have the private")):
+    monkeypatch.setattr(torch_compat, "CP_TABLE_LOCATIONS", (("t3d_no_such_module_for_test", "custom_ops"),))
+    monkeypatch.setattr(torch_compat, "_cp_candidates", lambda: torch_compat.CP_TABLE_LOCATIONS)
+    with pytest.raises(RuntimeError, match=re.escape(f"t3d.cp: torch {torch.__version__} has no context-parallel "
+                                                     f"hook table")):
         t3d.cp.enable()
 
 
 def test_enable_disable_registers_cpu_ops():
     import t3d.cp
-    from torch.distributed.tensor.experimental import _attention
+    from t3d._compat import torch_compat
 
+    table = torch_compat.cp_hooks().table
     op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
     t3d.cp.disable()
-    assert op not in _attention.customized_ops
+    assert op not in table
     t3d.cp.enable()
-    assert op in _attention.customized_ops and t3d.cp.is_enabled()
+    assert op in table and t3d.cp.is_enabled()
 
 
 def _cp_without_import(rank, ws):
@@ -94,12 +98,13 @@ def _cp_without_import(rank, ws):
 
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental import context_parallel
-    from torch.distributed.tensor.experimental import _attention
-    from torch.distributed.tensor.experimental._attention import context_parallel_unshard
 
     # The script never imported t3d: creating the t3d group enabled the CPU handlers.
-    assert torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default in _attention.customized_ops
     assert "t3d.cp" in sys.modules
+    from t3d._compat.torch_compat import cp_hooks
+    from t3d._compat.torch_compat import cp_unshard as context_parallel_unshard
+
+    assert torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default in cp_hooks().table
     mesh = init_device_mesh("cpu", (ws,), mesh_dim_names=("cp",))
     torch.manual_seed(0)
     model = TinyAttention()

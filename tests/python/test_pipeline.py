@@ -41,7 +41,11 @@ def chk_pipeline(rank, ws, schedule_name, explicit_shapes):
         torch.nn.Sequential(*list(full.children())[3:])
     mb = BATCH // N_MICRO
     if explicit_shapes:   # skips the stages' shape inference (a metadata exchange over send/recv_object_list)
-        io = (torch.empty(mb, 6), torch.empty(mb, 12)) if rank == 0 else (torch.empty(mb, 12), torch.empty(mb, 3))
+        # Example tensors carry requires_grad as in training: torch 2.15's static metadata takes it from them (an
+        # output or received activation without it gets no gradient sent back); torch 2.9 reads only shape/dtype.
+        def ex(*shape, grad=True):
+            return torch.empty(*shape, requires_grad=grad)
+        io = (ex(mb, 6, grad=False), ex(mb, 12)) if rank == 0 else (ex(mb, 12), ex(mb, 3))
         stage = pipelining.PipelineStage(sub, rank, ws, torch.device("cpu"), input_args=io[0], output_args=io[1])
     else:
         stage = pipelining.PipelineStage(sub, rank, ws, torch.device("cpu"))

@@ -26,6 +26,15 @@ UPSTREAM_COMMIT = "08bdcc14492f1aee5e6b340c18a1f2395e332b9a"
 UPSTREAM_URL = f"https://github.com/huggingface/transformers/blob/{UPSTREAM_COMMIT}/examples/3D_parallel.py"
 # sha256 of the copy of that version the tests ran on (a different one still ports if every edit matches once).
 UPSTREAM_SHA256 = "1dee665dc9a7f691530c92a7f401db78b1390d648956ddfbbc2350441198439f"
+# Every upstream version the port was checked against: sha256 -> (commit, what changed). The later one only quotes
+# the env defaults (os.environ.get("TP_SIZE", "1") for ..., 1): no edit touches those lines, so all twelve edits
+# match both and the ported scripts behave the same. Nothing in the example depends on the transformers version
+# itself: under transformers 5 its from_pretrained(device_mesh=tp_mesh, tp_plan="auto") would shard over
+# WORLD_SIZE ranks, and t3d.hf's loading fix (applied when the first t3d group is created) keeps it on tp_mesh.
+KNOWN_UPSTREAM = {
+    UPSTREAM_SHA256: (UPSTREAM_COMMIT, "as tested first (transformers 4.57 era)"),
+    "6146051e2c29eabdd51efead312e09e3f69934caec376ca653baecc26bf71e6f": ("85e09fef8537d59f861aa672478653d367c62487", "env defaults quoted as strings; otherwise identical"),
+}
 
 # (upstream text, replacement, why). Kept as small as the change allows; "t3d:" marks every changed line.
 EDITS: list[tuple[str, str, str]] = [
@@ -37,7 +46,8 @@ EDITS: list[tuple[str, str, str]] = [
         "logger still prints every step. Nothing from t3d is imported: creating the first t3d process group enables "
         "t3d's context_parallel handlers for CPU SDPA (torch 2.9's context_parallel knows only the CUDA kernels) "
         "and, transformers being imported already, t3d.hf's fix for from_pretrained(device_mesh=<CPU mesh>, "
-        "tp_plan=...), which in transformers 4.57 otherwise fails on every rank with \"Found no NVIDIA driver\".",
+        "tp_plan=...), which in transformers 4.57 otherwise fails on every rank with \"Found no NVIDIA driver\" and in "
+        "transformers 5 would shard the model over WORLD_SIZE // (dp * pp) ranks instead of tp_mesh's.",
     ),
     (
         "    num_train_steps = 10000  # Number of training steps\n",
@@ -123,6 +133,8 @@ def header(upstream: str) -> str:
         "# compatibility testing of the t3d backend on CPU. Upstream, as tested:",
         f"# {UPSTREAM_URL}",
         f"# Input sha256: {digest}",
+        f"# Input version: upstream commit {KNOWN_UPSTREAM[digest][0]}" if digest in KNOWN_UPSTREAM
+        else "# Input version: not one the port was checked against (every edit matched once)",
         "# Changes (each changed line is marked `t3d:`):",
     ]
     for i, (_, _, why) in enumerate(EDITS, 1):

@@ -21,6 +21,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
+from .._compat import torch_compat
+
 META = "t3d_train.json"
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -64,12 +66,11 @@ def _optim_views(model, optimizer, layouts: dict) -> dict:
         if not p.requires_grad:
             continue
         st = _init_state(optimizer, p)
-        if hasattr(p, "_fqns"):  # FSDP1 FlatParameter (NO_SHARD: the whole local flat tensor)
-            offset, fqns = 0, iter(p._fqns)
-            shapes = iter(p._shapes)
-            for numel, is_pad in zip(p._numels_with_padding, p._is_padding_mask):
-                if not is_pad:
-                    name, shape = next(fqns), next(shapes)
+        flat_layout = torch_compat.flat_param_layout(p)
+        if flat_layout is not None:  # FSDP1 FlatParameter (NO_SHARD: the whole local flat tensor)
+            offset = 0
+            for name, numel, shape in flat_layout:
+                if name is not None:  # not padding
                     views[name] = {"step": st["step"]}
                     for k in _MOMENTS:
                         views[name][k] = wrap(st[k].narrow(0, offset, numel).view(shape), name)

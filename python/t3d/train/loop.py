@@ -17,6 +17,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .._compat import torch_compat
 from . import ckpt as ckpt_mod
 from . import report
 from .data import build_packed_dataset, collate
@@ -106,12 +107,11 @@ class GradNorm:
     def _flat_weights(self, flat) -> torch.Tensor:
         w = self._weights.get(id(flat))
         if w is None:
-            parts, fqns = [], iter(flat._fqns)
-            for numel, is_pad in zip(flat._numels_with_padding, flat._is_padding_mask):
-                if is_pad:
+            parts = []
+            for fqn, numel, _ in torch_compat.flat_param_layout(flat):
+                if fqn is None:  # padding
                     parts.append(torch.zeros(numel, device=flat.device))
                 else:
-                    fqn = next(fqns)
                     full = next((n for n in self.sharded if n == fqn or n.endswith("." + fqn) or
                                  fqn.endswith("." + n)), None)
                     parts.append(torch.full((numel,), 1.0 if full else 1.0 / self.tp, device=flat.device))
@@ -130,7 +130,7 @@ class GradNorm:
                 g = p.grad.to_local()
                 w = 1.0 if any(pl.is_shard() for pl in p.grad.placements) else 1.0 / self.tp
                 term = g.detach().float().pow(2).sum() * w
-            elif hasattr(p, "_fqns"):  # FSDP1 FlatParameter
+            elif torch_compat.flat_param_layout(p) is not None:  # FSDP1 FlatParameter
                 g = p.grad
                 w = self._flat_weights(p)
                 if w.numel() != g.numel():
@@ -238,7 +238,7 @@ def _train(args, layout: Layout, device: torch.device, rank: int, log) -> int:
     mesh = torch.arange(world).reshape(layout.dp, layout.tp, layout.cp)
     world_mesh = DeviceMesh(device_type=device.type, mesh=mesh, mesh_dim_names=("dp", "tp", "cp"))
     tp_mesh, dp_mesh, cp_mesh = world_mesh["tp"], world_mesh["dp"], world_mesh["cp"]
-    dp_cp_mesh = world_mesh["dp", "cp"]._flatten(mesh_dim_name="dp_cp")
+    dp_cp_mesh = torch_compat.flatten_mesh(world_mesh["dp", "cp"], "dp_cp")
     log(f"t3d-train: {layout} on {world} rank(s), backend {args.backend}, device {device.type}, "
         f"global batch {args.global_batch} x seq {args.seq_len}, {args.steps} steps")
 
@@ -282,17 +282,11 @@ def _train(args, layout: Layout, device: torch.device, rank: int, log) -> int:
 
     if layout.cp > 1:
         from torch.distributed.tensor.experimental import context_parallel
-        from torch.distributed.tensor.experimental import _attention as cp_attention
 
-        cp_attention._cp_options.enable_load_balance = False  # as upstream: contiguous sequence shards
-        if hasattr(cp_attention, "set_rotate_method"):
-            cp_attention.set_rotate_method(args.cp_rotate)
-        elif args.cp_rotate != "allgather":
+        torch_compat.set_cp_load_balance(False)  # as upstream: contiguous sequence shards
+        if not torch_compat.set_cp_rotate_method(args.cp_rotate) and args.cp_rotate != "allgather":
             log(f"warning: this torch has no set_rotate_method; --cp-rotate {args.cp_rotate} ignored")
-        try:
-            import t3d.cp  # noqa: F401  (CPU SDPA handlers for torch's context_parallel, where present)
-        except ImportError:
-            pass
+        import t3d.cp  # noqa: F401  (CPU SDPA handlers for torch's context_parallel; raises one line if missing)
     sdpa_backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
 
     tokens_per_step = args.global_batch * args.seq_len

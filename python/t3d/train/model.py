@@ -1,5 +1,6 @@
 """The embedded model: a tiny Llama built from a LlamaConfig, saved once to a cache dir, then loaded the way
-transformers' examples/3D_parallel.py loads it (from_pretrained with a tensor-parallel mesh; on CPU with t3d.hf's fix).
+transformers' examples/3D_parallel.py loads it (from_pretrained with a tensor-parallel mesh; on CPU with t3d.hf's fix;
+on transformers 5 a whole load plus the model's TP plan over that mesh).
 """
 
 from __future__ import annotations
@@ -76,48 +77,13 @@ def ensure_model(init_seed: int, root: str | None = None) -> str:
     return path
 
 
-def _upstream_tp_load_possible(device: torch.device) -> tuple[bool, str]:
-    """Whether `from_pretrained(dir, device_mesh=tp_mesh, tp_plan="auto")` can work here, and if not why.
-
-    transformers 4.57 turns a TP mesh into device_map=torch.device(f"{mesh.device_type}:{LOCAL_RANK}"). A device map
-    needs `accelerate` (a ValueError without it), and on CPU the index reaches safetensors' safe_open as a bare int,
-    which it takes for a CUDA ordinal ("Found no NVIDIA driver"); t3d.hf.fix_cpu_tp_loading repairs that.
-    """
-    from transformers.utils import is_accelerate_available
-
-    if not is_accelerate_available():
-        return False, "transformers needs `accelerate` for the device_map that tp_plan implies"
-    if device.type == "cpu":
-        from t3d.hf import fix_cpu_tp_loading
-
-        fix_cpu_tp_loading()  # idempotent; a no-op where transformers has no such bug
-    return True, ""
-
-
 def load_model(path: str, tp_mesh, device: torch.device, dtype: torch.dtype = torch.float32, log=print):
-    """Load the causal LM; with a TP mesh of size > 1, shard it with the model's own TP plan (tp_plan="auto")."""
-    from transformers import AutoModelForCausalLM
+    """Load the causal LM; with a TP mesh of size > 1, shard it over exactly that mesh with the model's own TP plan.
 
-    tp = tp_mesh.size() if tp_mesh is not None else 1
-    if tp == 1:
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    transformers 4: from_pretrained(dir, device_mesh=tp_mesh, tp_plan="auto") as upstream (t3d.hf's CPU fix applied).
+    transformers 5 builds its own TP mesh from WORLD_SIZE for that call, so the model is loaded whole and the plan
+    applied over tp_mesh (t3d._compat.hf_compat hides the difference).
+    """
+    from t3d._compat import hf_compat
 
-    ok, why = _upstream_tp_load_possible(device)
-    if ok:
-        log("TP load: from_pretrained(device_mesh=tp_mesh, tp_plan='auto') as upstream")
-        return AutoModelForCausalLM.from_pretrained(path, device_mesh=tp_mesh, tp_plan="auto", dtype=dtype)
-
-    # The same steps from_pretrained takes with a mesh, after a plain load: distribute_model() installs the plan's
-    # input/output hooks on each module, shard_and_distribute_module() swaps every parameter for this rank's shard
-    # (DTensor for sharded styles, a plain tensor for the rest), exactly as _load_state_dict_into_meta_model does.
-    from transformers.integrations.tensor_parallel import distribute_model, shard_and_distribute_module
-
-    log(f"TP load: from_pretrained + transformers' own TP sharding ({why})")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
-    model = distribute_model(model, None, tp_mesh, tp)
-    rank = tp_mesh.get_local_rank()
-    with torch.no_grad():
-        for name, param in list(model.named_parameters()):
-            full = param.detach()
-            shard_and_distribute_module(model, full, full, name, dtype, True, rank, tp_mesh)
-    return model
+    return hf_compat.load_on_tp_mesh(path, tp_mesh, device, dtype=dtype, log=log)
