@@ -22,14 +22,7 @@ installed_from() {
   "$VENV/bin/python" -I -c 'import os, t3d_autoload; print(os.path.dirname(os.path.realpath(t3d_autoload.__file__)))' \
     2>/dev/null || true
 }
-# The build backend (pyproject.toml): without build isolation it must be in the venv. It is not in requirements.txt,
-# whose hash names the venv (a new pin there would mean a new venv and another torch download).
-SKBUILD_CORE_VERSION=1.1.2
-if ! "$VENV/bin/python" -I -c 'import sys
-from importlib.metadata import version
-sys.exit(int(version("scikit-build-core").split(".")[0]) < 1)' 2>/dev/null; then
-  "$VENV/bin/pip" install -q "scikit-build-core==$SKBUILD_CORE_VERSION"
-fi
+"$ROOT/scripts/ensure-skbuild.sh" "$VENV"
 
 mkdir -p "$BUILD"
 STAMP="$BUILD/.pip-install-$(sha256sum "$ROOT/pyproject.toml" | cut -c1-12)"

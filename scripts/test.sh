@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The test suite: setup (packages, venv, build), the C tests, the C tests again under AddressSanitizer and
-# UndefinedBehaviorSanitizer, then the Python tests with real processes. Each stage prints its own summary.
+# UndefinedBehaviorSanitizer, the Python tests with real processes on the newest stack (requirements.txt), then the
+# wheel and the version-dependent Python tests on the oldest stack (requirements-oldest.txt). Each stage prints its
+# own summary.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -18,6 +20,22 @@ export LSAN_OPTIONS="suppressions=$ROOT/.ci/lsan.supp:print_suppressions=0"
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
 ctest --test-dir build-asan --output-on-failure -j 1
 
-echo "== Python tests (tests/python, backend t3d)"
+echo "== Python tests (tests/python, backend t3d), newest stack: $("$VENV/bin/python" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')"
 export OMP_NUM_THREADS=1
-"$VENV/bin/python" -m pytest -q tests/python "$@"
+# test_wheel runs below, on the oldest stack's wheel (one wheel build, not two).
+"$VENV/bin/python" -m pytest -q tests/python --ignore=tests/python/test_wheel.py "$@"
+
+# The oldest stack: the package as `pip wheel .` builds it against that torch, installed (not editable) into the
+# oldest venv, then the wheel's own test and every Python test that touches a version-dependent path.
+OLD="$(scripts/setup.sh --stack oldest | tail -n 1)"
+echo "== Oldest stack: $("$OLD/bin/python" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)' 2>/dev/null)"
+rm -rf build-oldest/dist
+"$OLD/bin/python" -m pip wheel -q . --no-build-isolation --no-deps -w build-oldest/dist \
+  -Cbuild-dir=build-oldest/skbuild
+WHEEL="$(ls build-oldest/dist/t3d-*.whl)"
+T3D_TEST_WHEEL="$ROOT/$WHEEL" "$OLD/bin/python" -m pytest -q tests/python/test_wheel.py
+"$OLD/bin/python" -m pip install -q --no-deps --force-reinstall "$WHEEL"
+"$OLD/bin/python" -m pytest -q tests/python/test_compat.py tests/python/test_cp.py tests/python/test_ring_attention.py \
+  tests/python/test_hf_attention.py tests/python/test_pipeline.py tests/python/test_train.py \
+  tests/python/test_upstream_example.py tests/python/test_dcp.py tests/python/test_dtensor.py \
+  tests/python/test_fsdp.py tests/python/test_build_info.py

@@ -19,6 +19,7 @@ Slow (a full build of the native parts, about 3 to 5 minutes on 2 cores) but par
 import glob
 import json
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -65,6 +66,11 @@ def _site_dirs():
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory):
+    # scripts/test.sh builds the oldest stack's wheel once and hands it over (T3D_TEST_WHEEL) instead of a second build.
+    given = os.environ.get("T3D_TEST_WHEEL")
+    if given:
+        assert os.path.isfile(given), f"T3D_TEST_WHEEL={given} is not a file"
+        return pathlib.Path(given)
     dist = tmp_path_factory.mktemp("dist")
     # The build runs with this venv's python, so CMake's T3D_PYTHON (scikit-build-core's Python_EXECUTABLE) is it and
     # the shim is built against its torch.
