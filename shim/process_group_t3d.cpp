@@ -169,9 +169,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::run(c10d::OpType type, const OpC
   for (auto& t : p.keep) work->keepAlive(t);
   if (!p.post.empty()) {
     // The post steps (copy-back into the caller's tensors) run on the progress thread: they do so under the
-    // caller's thread-local state (inference mode, grad mode, autocast, dispatch keys), as if run where issued.
+    // caller's thread-local state (inference mode, autocast, dispatch keys), as if run where issued, and below
+    // autograd: like the collective's own writes into contiguous tensors, a copy-back writes the tensor's memory
+    // (a leaf that requires grad, or a view of one, takes the result as gloo gives it).
     work->setPost([post = std::move(p.post), tls = at::ThreadLocalState()](t3d_request_t* req) {
       at::ThreadLocalStateGuard guard(tls);
+      at::AutoDispatchBelowADInplaceOrView belowAutograd;
       for (auto& f : post) f(req);
     });
   }
@@ -242,6 +245,7 @@ void ProcessGroupT3D::finishDevice(const OpCtx& c, DevicePending& pending) {
   c10::impl::VirtualGuardImpl impl(ds.device.type());
   {
     c10::StreamGuard onComm(ds.comm);
+    at::AutoDispatchBelowADInplaceOrView belowAutograd;  // as for host tensors (run())
     for (auto& f : pending.post) f(req);
   }
   // The caching allocator must not hand these blocks out again before the group's stream is done with them.

@@ -96,14 +96,24 @@ def _inference_mode(rank, ws):
             out = torch.empty(ws, 6).t()
             dist.all_gather_into_tensor(out.t(), torch.full((6,), float(rank)))
     assert not bad, f"rank {rank}: {len(bad)} of 200 list all_gathers failed under inference_mode, first: {bad[0]}"
-    # An error in the copy-back (outputs made in inference mode, the call made outside it: torch forbids the write)
-    # completes the work with that error: wait() raises it, nothing hangs, and the group goes on.
-    with torch.inference_mode():
-        outs = [torch.empty(4) for _ in range(ws)]
-    w = dist.all_gather(outs, torch.ones(4), async_op=True)
-    time.sleep(0.01)
-    with pytest.raises(RuntimeError, match="(?i)inference"):
-        w.wait()
+    # Outside any mode: a non-contiguous leaf that requires grad (a staged copy-back) takes the result, as gloo's
+    # writes do, and so does a view of it.
+    p = torch.ones(4, 3).t().requires_grad_()
+    dist.all_reduce(p)
+    q = torch.ones(8).requires_grad_()
+    dist.broadcast(q[::2], src=0)
+    assert p.tolist() == [[float(ws)] * 4] * 3 and q.tolist() == [1.0] * 8
+    # An error in a copy-back step (a receive that got fewer elements than its tensor holds) completes the work with
+    # that error: wait() raises it, nothing hangs, and the group goes on.
+    if ws >= 2 and rank < 2:
+        peer = 1 - rank
+        if rank == 0:
+            dist.send(torch.ones(2), dst=peer)
+        else:
+            w = dist.irecv(torch.empty(4), src=peer)
+            time.sleep(0.01)
+            with pytest.raises(RuntimeError, match="got 2 elements"):
+                w.wait()
     t = torch.ones(2)
     dist.all_reduce(t)
     assert t.tolist() == [float(ws)] * 2
