@@ -26,6 +26,8 @@
 #   --targets "A B"      build only these targets (CI: the library, the kernels, the shim, GoogleTest)
 #   --deadline S         finish within S seconds of the start: a step that no longer fits is skipped, a running
 #                        one is stopped (the device tool's commands run for at most 600 s: use --deadline 570)
+#   --skip A,B           skip these steps (e.g. a second call on the still-warm machine, whose build-gpu/ is kept:
+#                        --skip nccl-1rank,pytest-cuda,pytest-attention-cuda,bench-attention to run the C tests)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 T0=$(date +%s)
@@ -42,6 +44,7 @@ CUDA_ARCHS=90
 CUDA_KERNELS=1
 TARGETS=""
 DEADLINE=0
+SKIP=","
 abspath() { case "$1" in /*) printf '%s\n' "$1" ;; *) printf '%s\n' "$PWD/$1" ;; esac; }
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -55,6 +58,7 @@ while [ $# -gt 0 ]; do
     --no-cuda-kernels) CUDA_KERNELS=0; shift ;;
     --targets) TARGETS="$2"; shift 2 ;;
     --deadline) DEADLINE="$2"; shift 2 ;;
+    --skip) SKIP=",$2,"; shift 2 ;;
     -h|--help) sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) echo "gpu-check.sh: unknown argument '$1' (--help lists them)" >&2; exit 2 ;;
   esac
@@ -173,6 +177,7 @@ skip_step() {  # NAME REASON
 }
 run_step() {
   local name="$1" limit="$2" fn="$3"; shift 3
+  if [ "${SKIP#*,"$name",}" != "$SKIP" ]; then skip_step "$name" "not selected (--skip)"; return 0; fi
   local need
   for need in "$@"; do
     if [ "$(cat "$STATE/$need.status" 2>/dev/null)" != pass ]; then
@@ -321,7 +326,8 @@ step_kit() {
 }
 
 cmake_args() {
-  local a=(-S "$ROOT" -B "$BUILD" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DT3D_PYTHON="$PY" -DT3D_WITH_UCX=OFF
+  # CMAKE_POLICY_VERSION_MINIMUM: CMake 4 (pip's cmake) refuses projects that ask for less than 3.5.
+  local a=(-S "$ROOT" -B "$BUILD" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_POLICY_VERSION_MINIMUM=3.5 -DT3D_PYTHON="$PY" -DT3D_WITH_UCX=OFF
            -DT3D_BUILD_SHIM=ON -DT3D_REQUIRE_SHIM=ON -DT3D_PY_INPLACE=OFF -DT3D_BUILD_TESTS=ON -DT3D_BUILD_BENCH=ON
            -DT3D_CUDA_ARCHS="$CUDA_ARCHS")
   [ "$CUDA_KERNELS" = 1 ] && a+=(-DT3D_BUILD_CUDA=ON) || a+=(-DT3D_BUILD_CUDA=OFF)
