@@ -123,8 +123,12 @@ fi
 PY="$(command -v "$PY" || echo "$PY")"
 
 # A GPU? --no-gpu, no nvidia-smi, nvidia-smi listing none, or torch not seeing one: no.
+# T3D_GPU_CHECK_ASSUME_GPU=1 runs the GPU steps anyway (to test this script's steps on a machine without a GPU:
+# they then fail or skip where they need one).
 NO_GPU_REASON=""
-if [ "$FORCE_NO_GPU" = 1 ]; then
+if [ "${T3D_GPU_CHECK_ASSUME_GPU:-0}" = 1 ]; then
+  :
+elif [ "$FORCE_NO_GPU" = 1 ]; then
   NO_GPU_REASON="--no-gpu given"
 elif ! command -v nvidia-smi >/dev/null 2>&1; then
   NO_GPU_REASON="nvidia-smi not found"
@@ -280,7 +284,8 @@ step_env() {
     else
       echo "- mode: GPU"
       echo "- GPU (name, driver, memory, compute capability): $(nvidia-smi \
-             --query-gpu=name,driver_version,memory.total,compute_cap --format=csv,noheader | head -n 4 | tr '\n' ' ')"
+             --query-gpu=name,driver_version,memory.total,compute_cap --format=csv,noheader 2>&1 | head -n 4 \
+             | tr '\n' ' ')"
     fi
     echo "- machine: $(nproc) cores, $(uname -srm)"
     echo "- python: \`$PY\` ($("$PY" -c 'import platform; print(platform.python_version())' 2>&1))"
@@ -387,8 +392,10 @@ EOF
 py_env() { export PYTHONPATH="$SITE" PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4; }
 step_nccl() {
   py_env
-  "$PY" "$ROOT/scripts/gpu_check_nccl.py" | tee "$STEP_SHOW"
-  tail -n 1 "$STEP_SHOW" >"$STEP_DETAIL"
+  local rc=0
+  "$PY" "$ROOT/scripts/gpu_check_nccl.py" | tee "$STEP_SHOW" || rc=$?
+  grep -v '^ *$' "$STEP_SHOW" | tail -n 1 >"$STEP_DETAIL" || true
+  return $rc
 }
 pytest_step() {  # pytest args...: fails unless something passed and nothing failed
   py_env
@@ -400,6 +407,11 @@ pytest_step() {  # pytest args...: fails unless something passed and nothing fai
   [ -s "$STEP_SHOW" ] && sed -i '1i Skipped:\n' "$STEP_SHOW"
   [ $rc -eq 0 ] || return $rc
   grep -q ' passed' "$STEP_DETAIL" || { echo "nothing passed: $(cat "$STEP_DETAIL")" >"$STEP_DETAIL"; return 1; }
+  # On a GPU machine a test skipped for want of a GPU (or of the CUDA kernels) is a failure of the check.
+  if grep -E '^SKIPPED.*(no CUDA device|built without CUDA kernels)' "$STATE/pytest.out" >/dev/null; then
+    echo "$(cat "$STEP_DETAIL"); but tests were skipped for want of a GPU or of the CUDA kernels" >"$STEP_DETAIL"
+    return 1
+  fi
 }
 step_pytest_cuda() { pytest_step tests/python/test_cuda.py; }
 step_pytest_attention() { pytest_step tests/python/test_attention_ops.py -k cuda; }
@@ -414,14 +426,16 @@ step_bench() {
     echo "\`t3d-bench attention\` has no --device option in this tree: ran the CPU benchmark" \
          "(--quick --threads $JOBS) instead" >"$STEP_DETAIL"
   fi
-  { echo '```'; tail -n 60 "$STATE/bench.out" | cut -c1-200; echo '```'; } >"$STEP_SHOW"
+  { echo '```'; tail -n 60 "$STATE/bench.out" | cut -c1-400; echo '```'; } >"$STEP_SHOW"
 }
 step_ctest() {
   # No C test loads the real libnccl today (the fakes set T3D_NCCL_LIBRARY themselves, test_nccl_missing gets its
   # own from ctest); any that does gets the wheel's library.
   [ -n "$NCCL_WHEEL_LIB" ] && export T3D_NCCL_LIBRARY="$NCCL_WHEEL_LIB"
   local rc=0
-  ctest --test-dir "$BUILD" --output-on-failure -j 4 --timeout 300 | tee "$STATE/ctest.out" || rc=$?
+  # T3D_GPU_CHECK_CTEST_ARGS: more ctest arguments (e.g. -R to select tests).
+  # shellcheck disable=SC2086
+  ctest --test-dir "$BUILD" --output-on-failure -j 4 --timeout 300 ${T3D_GPU_CHECK_CTEST_ARGS:-} | tee "$STATE/ctest.out" || rc=$?
   { grep -E 'tests passed|tests failed' "$STATE/ctest.out" | tail -n 1
     echo "; skipped: $(grep -c -E '\*\*\*Skipped|Not Run' "$STATE/ctest.out" || true)"; } | tr -d '\n' >"$STEP_DETAIL"
   grep -E '\*\*\*Failed|\*\*\*Skipped|\*\*\*Timeout|Not Run' "$STATE/ctest.out" | sed 's/^/    /' >"$STEP_SHOW" || true
