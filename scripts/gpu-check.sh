@@ -308,6 +308,7 @@ EOF
     echo "- build: \`$BUILD\` (T3D_WITH_UCX=OFF, CUDA kernels $([ "$CUDA_KERNELS" = 1 ] && echo on || echo off)${TARGETS:+, targets: $TARGETS})"
   } >"$STATE/env.md"
   cat "$STATE/env.md"
+  echo "machine, versions and commit: above the table" >"$STEP_DETAIL"
 }
 
 step_kit() {

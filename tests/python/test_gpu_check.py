@@ -24,7 +24,7 @@ def _modules_in_source_tree():
 def _steps(report):
     rows = {}
     for line in report.splitlines():
-        m = re.match(r"^\| ([a-z0-9-]+) \| ([^|]+?) \|", line)
+        m = re.match(r"^\| ([a-z][a-z0-9-]*) \| ([^|]+?) \|", line)
         if m and m.group(1) != "step":
             rows[m.group(1)] = m.group(2)
     return rows
