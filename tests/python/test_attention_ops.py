@@ -265,3 +265,51 @@ def test_cuda_device_mismatch_error():
     q, k, v = make(1, 2, 2, 4, 4, 8)
     with pytest.raises(RuntimeError, match="'k' is on cpu"):
         ops.attention(q.cuda(), k, v.cuda())
+
+
+# Larger shapes on the GPU: t3d's CUDA kernels and torch's SDPA (same device, same inputs) against the float64
+# reference. t3d's error must stay within a small multiple of SDPA's own error (or under an absolute floor), for the
+# output and for the three gradients; GQA goes to SDPA as repeated k/v heads.
+SDPA_CASES = [
+    # b, hq, hk, s, d, causal
+    (2, 8, 8, 256, 64, True),
+    (1, 8, 2, 300, 128, True),
+    (2, 4, 4, 1024, 64, False),
+    (1, 4, 1, 513, 32, True),
+]
+SDPA_FLOOR = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+
+
+@pytest.mark.skipif(not CUDA, reason=NO_CUDA)
+@pytest.mark.parametrize("case", SDPA_CASES, ids=lambda c: "b{}h{}kv{}s{}d{}{}".format(*c[:5], "c" if c[5] else ""))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_cuda_matches_sdpa_and_float64(case, dtype):
+    b, hq, hk, s, d, causal = case
+    q, k, v = make(b, hq, hk, s, s, d, dtype, "cuda", seed=7)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(8)).to(device="cuda", dtype=dtype)
+
+    def run_t3d():
+        qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
+        out, _ = ops.attention(qg, kg, vg, causal)
+        out.backward(dout)
+        return out, qg.grad, kg.grad, vg.grad
+
+    def run_sdpa():
+        qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
+        g = hq // hk
+        out = torch.nn.functional.scaled_dot_product_attention(
+            qg, kg.repeat_interleave(g, dim=1), vg.repeat_interleave(g, dim=1), is_causal=causal)
+        out.backward(dout)
+        return out, qg.grad, kg.grad, vg.grad
+
+    rq, rk, rv = (x.detach().cpu().double().requires_grad_() for x in (q, k, v))
+    ref_out, _ = reference(rq, rk, rv, causal)
+    ref_out.backward(dout.cpu().double())
+    ref = (ref_out.detach(), rq.grad, rk.grad, rv.grad)
+    got, sdpa = run_t3d(), run_sdpa()
+    for name, g, s_, r in zip(("out", "dq", "dk", "dv"), got, sdpa, ref):
+        assert g.dtype == dtype and g.shape == r.shape, name
+        err = (g.cpu().double() - r).abs().max().item()
+        sdpa_err = (s_.cpu().double() - r).abs().max().item()
+        assert err <= max(4 * sdpa_err, SDPA_FLOOR[dtype]), (
+            f"{name}: t3d max error {err:.3g} vs float64, SDPA's {sdpa_err:.3g} ({dtype}, {case})")
