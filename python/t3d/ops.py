@@ -12,6 +12,7 @@ after the query's. A row that sees no key gets out 0 and lse -inf.
 from __future__ import annotations
 
 import warnings
+import importlib.util
 from typing import Optional
 
 import torch
@@ -26,7 +27,9 @@ try:
     CUDA_AVAILABLE = True
 except ImportError as _e:  # not built (no nvcc / CPU torch) or the CUDA module cannot load here
     CUDA_LOAD_ERROR = repr(_e)
-    if "No module named" not in str(_e):
+    # Not built is normal and quiet; built but not loadable is worth a warning. (The message of a missing submodule
+    # depends on how the import was reached, so ask whether the module exists at all.)
+    if importlib.util.find_spec(f"{__package__}._C_cuda") is not None:
         warnings.warn(f"t3d: CUDA attention kernels present but not loadable: {_e!r}", RuntimeWarning, stacklevel=2)
 
 _ops = torch.ops.t3d

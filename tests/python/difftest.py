@@ -50,15 +50,16 @@ POLL_LIMIT_S = 20.0
 
 
 def op_valid(op, dt, native_complex=False):
-    """Whether torch accepts this reduce op on this dtype. Complex: torch views it as float pairs for SUM, AVG and
-    PREMUL_SUM (native_complex: the collective hands complex to the backend as is; only SUM is meaningful there)."""
+    """Whether the reduce op is generated for this dtype (a call t3d accepts). Complex: torch views it as float pairs
+    for SUM, AVG and PREMUL_SUM (native_complex: the collective hands complex to the backend as is; only SUM is
+    meaningful there). PREMUL_SUM on integers is a t3d extension (see KNOWN_DIFFERENCES)."""
     if dt == "complex64":
         return op == "SUM" if native_complex else op in ("SUM", "AVG", "PREMUL_SUM")
     if dt in FLOATS:
         return op not in BITWISE
     if dt == "bool":
         return op not in ("AVG", "PREMUL_SUM")
-    return op != "PREMUL_SUM"
+    return True
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -71,10 +72,13 @@ class Known:
                    or is not called at all (gloo="skip": it would take the process down).
       "gloo_or_reference": gloo is called; where it raises (as described), t3d is checked against the reference,
                    else against gloo as usual.
-      "both_raise": both must raise; the exception family is not compared."""
+      "both_raise": both must raise; the exception family is not compared.
+      "gloo_with": gloo is called with the spec changed by the dict in `gloo` (e.g. {"wait": "wait"}) and compared as
+                   usual; this applies whatever other entry matches too."""
 
     def __init__(self, name, when, differs, reason, check="reference", gloo="raises"):
-        self.name, self.when, self.differs, self.reason, self.check, self.gloo = name, when, differs, reason, check, gloo
+        self.name, self.when, self.differs, self.reason = name, when, differs, reason
+        self.check, self.gloo = check, gloo
 
 
 def _k(s):
@@ -86,6 +90,14 @@ KNOWN_DIFFERENCES = [
           lambda s: s.get("op") == "PREMUL_SUM" and _k(s) != "invalid",
           "gloo raises 'Cannot use ReduceOp.PREMUL_SUM with Gloo'; t3d computes sum(factor * x)",
           "PREMUL_SUM is an NCCL op that gloo never implemented; t3d supports it like NCCL"),
+    Known("t3d-premul-sum-integer",
+          lambda s: s.get("op") == "PREMUL_SUM" and s.get("dt") in INTS,
+          "t3d accepts PREMUL_SUM on integer tensors: each rank's tensor is scaled in its own type (a whole factor "
+          "multiplies exactly, wrapping; another goes through double, truncated toward zero and saturated), then "
+          "summed (wrapping); gloo raises, and so would NCCL (TypeError 'PreMulSum Data type must be half, float, "
+          "bfloat16 or double'). bool is refused by t3d too",
+          "a deliberate t3d extension (c_src/reduce.c t3d__scale); checked against a reference with exactly those "
+          "semantics"),
     Known("gloo-avg-integer",
           lambda s: s.get("op") == "AVG" and s.get("dt") in INTS,
           "gloo raises 'result type Float can't be cast to the desired output type' for AVG on integer tensors; "
@@ -120,7 +132,8 @@ KNOWN_DIFFERENCES = [
                                            or s["case"] == "send_bad_peer") and s["group"] == "world",
           "both raise, but torch checks a root/peer rank in Python (ValueError) only for groups other than the "
           "default one; on the default group (t3d) the backend raises RuntimeError",
-          "a torch front-end difference between default and new groups, not between the backends"),
+          "a torch front-end difference between default and new groups, not between the backends",
+          check="both_raise"),
     Known("gloo-strided-views",
           lambda s: (_k(s) in ("all_reduce", "reduce", "broadcast") and s["layout"] == "strided")
           or (_k(s) in ("scatter", "reduce_scatter") and "strided" in (s["in_layout"], s["out_layout"])),
@@ -162,6 +175,18 @@ KNOWN_DIFFERENCES = [
           "sender",
           "a gloo bug; not called on gloo because the failed receive leaves the sent message unmatched and the gloo "
           "group then hangs", gloo="skip"),
+    Known("gloo-avg-requires-grad",
+          lambda s: _k(s) == "all_reduce" and s.get("op") == "AVG" and s.get("grad") and s.get("mode") == "plain",
+          "gloo's all_reduce raises 'a leaf Variable that requires grad is being used in an in-place operation' for "
+          "AVG on a tensor that requires grad (its reduce does not); t3d returns the mean",
+          "gloo's all_reduce divides the sum in place with an autograd-visible op (grad mode is on); t3d writes raw "
+          "memory"),
+    Known("gloo-reduce-scatter-never-completes-without-wait",
+          lambda s: _k(s) in ("reduce_scatter", "reduce_scatter_tensor") and s.get("async") and s.get("wait") == "poll",
+          "gloo's reduce_scatter works report is_completed() == False until wait() is called (checked for 20 s); "
+          "t3d's complete on their own",
+          "gloo finishes these works (copy of the result) only inside wait(). gloo is called with wait() instead of "
+          "polling and compared as usual", check="gloo_with", gloo={"wait": "wait"}),
     Known("gloo-aborts-reduce-scatter-tensor-size",
           lambda s: _k(s) == "invalid" and s["case"] == "rs_tensor_in_size",
           "gloo aborts the process (SIGABRT: ProcessGroupGloo.cpp Check failed: outputShape[0] * worldSize == "
@@ -177,31 +202,41 @@ class Bug:
         self.name, self.when, self.what, self.reproducer = name, when, what, reproducer
 
 
-T3D_BUGS = [
-    Bug("t3d-premul-sum-on-integers",
-        lambda s: _k(s) == "invalid" and s["case"] == "premul_int",
-        "dist.all_reduce(int32 tensor, op=dist._make_nccl_premul_sum(0.5)) succeeds on t3d and truncates "
-        "(ranks [1,2,3,-3] and [2,4,6,-6] give [1,3,4,-4]); NCCL raises TypeError ('PreMulSum Data type must be "
-        "half, float, bfloat16 or double') and gloo raises RuntimeError",
-        "python tests/python/difftest.py --seed 1 --world 2 --calls 150   (any seed whose sequence has an "
-        "'invalid case=premul_int' call; see /tmp/difftest_findings.md for a standalone script)"),
-]
+# Fixed (kept as an example of an entry; see /tmp/difftest_findings.md):
+#   t3d-copy-back-into-leaf-that-requires-grad: all_reduce / reduce / broadcast (non-root) on a non-contiguous leaf
+#   that requires grad raised "a (view of a) leaf Variable that requires grad is being used in an in-place operation";
+#   fixed by 283d3ec (copy-back below autograd). Entry form:
+#   Bug(name, when=lambda spec: ..., what="what t3d does wrong", reproducer="python tests/python/difftest.py ...")
+T3D_BUGS = []
 
 
-_PRIORITY = {("reference", "skip"): 0, ("reference", "raises"): 1, ("gloo_or_reference", "raises"): 2,
-             ("both_raise", "raises"): 3}
+_PRIORITY = {"reference/skip": 0, "reference/raises": 1, "gloo_or_reference/raises": 2, "both_raise/raises": 3,
+             "gloo_with": 4}
+
+
+def _prio(k):
+    return _PRIORITY["gloo_with" if k.check == "gloo_with" else f"{k.check}/{k.gloo}"]
 
 
 def known_differences(spec):
     """Every KNOWN_DIFFERENCES entry that matches the spec, the one that decides how it is checked first (an entry
     that must not call gloo wins over one that expects gloo to raise, and so on)."""
     found = [k for k in KNOWN_DIFFERENCES if k.when(spec)]
-    return sorted(found, key=lambda k: _PRIORITY[(k.check, k.gloo)])
+    return sorted(found, key=_prio)
 
 
 def known_difference(spec):
     found = known_differences(spec)
     return found[0] if found else None
+
+
+def gloo_spec(spec):
+    """The spec as gloo runs it: with the changes of every matching "gloo_with" entry."""
+    out = spec
+    for k in known_differences(spec):
+        if k.check == "gloo_with":
+            out = dict(out, **k.gloo)
+    return out
 
 
 def t3d_bug(spec):
@@ -289,8 +324,9 @@ def gen_all_reduce(rng, k, ws):
 
 
 def gen_reduce(rng, k, ws):
-    s = gen_all_reduce(rng, k, ws)
-    s.update(_red_fields(rng, *pick_dt_op(rng, native_complex=True)))
+    layout = rng.choice(LAYOUTS_ND)
+    s = dict(_red_fields(rng, *pick_dt_op(rng, native_complex=True)), layout=layout, shape=pick_shape(rng, layout))
+    s["grad"] = _grad(rng, s["dt"])
     s["root"] = rng.randrange(k)
     return s
 
@@ -332,7 +368,8 @@ def gen_all_gather_into_tensor(rng, k, ws):
     in_layout = rng.choice(LAYOUTS_1D + ["transposed"]) if variant != "inplace" else "contig"
     shape = (pick_shape(rng, in_layout) if variant != "inplace" else [pick_n(rng)])[:2] or [1]
     return dict(dt=dt, flavor=_move_flavor(rng, dt), variant=variant, shape=shape, in_layout=in_layout,
-                out_layout=rng.choice(["contig", "contig", "offset", "strided"] if variant != "inplace" else ["contig"]))
+                out_layout=rng.choice(["contig", "contig", "offset", "strided"] if variant != "inplace"
+                                      else ["contig"]))
 
 
 def gen_all_gather_coalesced(rng, k, ws):
@@ -437,7 +474,7 @@ def gen_sparse(rng, k, ws):
 
 INVALID_CASES = ["bad_root_broadcast", "bad_root_reduce", "bad_root_gather", "bad_root_scatter",
                  "bad_root_tensor", "ag_tensor_out_size", "ag_tensor_dtype", "ag_list_len", "a2a_single_splits",
-                 "band_float", "premul_int", "complex_max", "rs_tensor_in_size", "send_bad_peer", "ag_list_dtype",
+                 "band_float", "complex_max", "rs_tensor_in_size", "send_bad_peer", "ag_list_dtype",
                  "rs_list_len", "coalesced_mixed_dtype", "sparse_max"]
 
 
@@ -459,10 +496,10 @@ WEIGHTS = {"all_reduce": 12, "coalesced": 5, "reduce": 5, "broadcast": 5, "all_g
 NO_ASYNC = {"p2p", "objects", "pg_multi", "invalid", "coalesced"}   # their own async forms, or none
 
 
-def _gen_one(rng, kind, ws, sub, idx, allow_p2p=True):
-    group = rng.choice(["world", "world", "all", "sub", "sub"])
-    if kind in ("p2p",) or (kind == "invalid"):
-        group = rng.choice(["world", "all"]) if kind == "p2p" else group
+def _gen_one(rng, kind, ws, sub, idx):
+    # world: the t3d default group (gloo: a gloo group over all ranks); all: a t3d new_group over all ranks; sub: t3d
+    # and gloo groups over the seed's subset of ranks. Point-to-point uses global ranks: world or all only.
+    group = rng.choice(["world", "all"] if kind == "p2p" else ["world", "world", "all", "sub", "sub"])
     k = len(sub) if group == "sub" else ws
     s = {"i": idx, "kind": kind, "group": group, "k": k}
     s.update(GEN[kind](rng, k, ws))
@@ -537,8 +574,9 @@ def _gen(*key):
     return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
 
 
-def values(seed, i, slot, r, n, dt, op=None, flavor="plain", k=1):
-    """Deterministic 1-D contiguous data of group member r (global rank) for call i: the same in every process."""
+def values(seed, i, slot, r, n, dt, op=None, flavor="plain", k=1, pos=0):
+    """Deterministic 1-D contiguous data of global rank r for call i, the same in every process. op: the data feed
+    that reduction (None: data movement, any bit pattern); k: the group size; pos: r's position in the group."""
     torch, _ = _t()
     tdt = _dtype(dt)
     if n == 0:
@@ -591,17 +629,18 @@ def values(seed, i, slot, r, n, dt, op=None, flavor="plain", k=1):
         c = torch.tensor(ch, dtype=torch.int64)
         return c[torch.randint(0, len(ch), (n,), generator=g)].to(tdt)
     if op == "AVG":
-        # shared base + c * (2r - k + 1): the offsets cancel over the group, so the mean is exactly the base and the
-        # sum stays inside the type (r: the member's position, which the caller passes as slot-independent k/r).
+        # shared base + c * (2 pos - k + 1): the offsets cancel over the group, so the mean is exactly the base (any
+        # rounding of the division gives it) and the sum stays inside the type.
         lo, hi, cmax = {"int8": (-20, 21, 2), "uint8": (10, 51, 3), "int32": (-10 ** 6, 10 ** 6, 1000),
                         "int64": (-2 ** 40, 2 ** 40, 10 ** 6)}[dt]
         shared = _gen(seed, i, slot, "shared")
         base = torch.randint(lo, hi, (n,), generator=shared, dtype=torch.int64)
         c = torch.randint(0, cmax + 1, (n,), generator=shared, dtype=torch.int64)
-        pos = r[1] if isinstance(r, tuple) else 0
         return (base + c * (2 * pos - k + 1)).to(tdt)
     if op == "SUM" and dt == "int64":
         return torch.randint(-2 ** 60, 2 ** 60, (n,), generator=g, dtype=torch.int64)
+    if op == "PREMUL_SUM" and dt == "int64":   # exact in double, so that a fractional factor rounds one way only
+        return torch.randint(-2 ** 50, 2 ** 50, (n,), generator=g, dtype=torch.int64)
     # SUM (wraps in the narrow types, the same in any order), MIN / MAX / bitwise: the whole range of the type
     return torch.randint(max(info.min, -2 ** 62), min(info.max, 2 ** 62), (n,), generator=g,
                          dtype=torch.int64).to(tdt)
@@ -640,8 +679,8 @@ def alloc(shape, layout, dt):
 
 
 def make(vals, shape, layout, dt, grad=False):
-    """(tensor holding vals in `shape` and `layout`, its whole buffer); grad: the tensor handed over requires grad
-    (made a leaf of its own for views, which cannot require grad themselves)."""
+    """(tensor holding vals in `shape` and `layout`, its whole buffer). grad: the tensor handed over requires grad:
+    it is a leaf that requires grad, or (offset and strided layouts) a view of one, like param[::2]."""
     torch, _ = _t()
     t, buf = alloc(shape, layout, dt)
     t.copy_(vals.view(list(shape)))
@@ -649,9 +688,9 @@ def make(vals, shape, layout, dt, grad=False):
         if t is buf:
             t.requires_grad_(True)
             buf = t
-        else:   # a view: one more view of a leaf that requires grad
+        else:
             buf.requires_grad_(True)
-            t = t.view_as(t)
+            t = buf.as_strided(t.shape, t.stride(), t.storage_offset())
     return t, buf
 
 
@@ -689,6 +728,15 @@ def reduce_ref(vals, op, dt, factor=None):
         r = x.amax(0)
     elif op == "AVG":
         r = x.sum(0) / k if dt not in INTS else torch.div(x.sum(0), k, rounding_mode="trunc")
+    elif op == "PREMUL_SUM" and dt in INTS:
+        # t3d: scaled in the element type first (a whole factor exactly, wrapping; else via double, truncated toward
+        # zero and saturated), then summed, wrapping.
+        info = torch.iinfo(tdt)
+        if factor == int(factor):
+            y = x * int(factor)
+        else:
+            y = (x.double() * factor).trunc().clamp(info.min, info.max).to(torch.int64)
+        r = y.to(tdt).to(torch.int64).sum(0)
     elif op == "PREMUL_SUM":
         r = (x * factor).sum(0)
     else:
@@ -741,13 +789,10 @@ class X:
         return dist.distributed_c10d._get_default_group() if g is None else g
 
     def v(self, s, slot, r, n, dt=None, movement=False):
-        dt = dt or s["dt"]
-        op = None if movement else s.get("op")
-        key_r = r
-        if op == "AVG" and dt in INTS:
-            key_r = ("avg", self.members(s).index(r) if r in self.members(s) else r)
-            return values(self.seed, s["i"], slot, key_r, n, dt, op, s.get("flavor", "plain"), len(self.members(s)))
-        return values(self.seed, s["i"], slot, r, n, dt, op, s.get("flavor", "plain"), len(self.members(s)))
+        """Rank r's data for slot `slot` of call s (n elements)."""
+        members = self.members(s)
+        return values(self.seed, s["i"], slot, r, n, dt or s["dt"], None if movement else s.get("op"),
+                      s.get("flavor", "plain"), len(members), members.index(r) if r in members else 0)
 
     def red(self, s, slot_fn, n, members=None):
         members = self.members(s) if members is None else members
@@ -1265,7 +1310,6 @@ def run_objects(x, s, be):
 
 
 def ref_objects(x, s):
-    k = len(x.members(s))
     v = s["variant"]
     big = s["big"]
     if v == "all_gather_object":
@@ -1368,8 +1412,6 @@ def run_invalid(x, s, be):
         w = dist.all_to_all_single(torch.empty(k), torch.ones(k + 1), [1] * k, [1] * k, group=g)
     elif c == "band_float":
         w = dist.all_reduce(torch.ones(n), op=dist.ReduceOp.BAND, group=g)
-    elif c == "premul_int":
-        w = dist.all_reduce(torch.ones(n, dtype=torch.int32), op=dist._make_nccl_premul_sum(2.0), group=g)
     elif c == "complex_max":
         w = dist.all_reduce(torch.ones(n, dtype=torch.complex64), op=dist.ReduceOp.MAX, group=g)
     elif c == "rs_tensor_in_size":
@@ -1466,6 +1508,14 @@ def _wait(w, how):
     w.wait()
 
 
+def _gloo_settle(outcomes):
+    """After a gloo call failed: a gloo barrier waits for, and rethrows the error of, any earlier work that gloo's
+    worker thread still holds, which it briefly does after wait() has already returned the error. A barrier issued
+    in that window fails on that rank only (and the group loses step). A short pause lets the worker let go."""
+    if any(o is not None and o.raised for o in outcomes):
+        time.sleep(0.05)
+
+
 def issue(x, s, be):
     """Starts one call; returns (work, collect) where the caller waits on work and then calls collect()."""
     return RUN[s["kind"]](x, s, be)
@@ -1546,7 +1596,7 @@ def _is_tensor(v):
     return isinstance(v, torch.Tensor)
 
 
-def compare_items(a, b, s, k, exact_labels=()):
+def compare_items(a, b, s, k):
     """None when equal, else a description of the first difference (a: t3d, b: the other side)."""
     torch, _ = _t()
     la = [l for l, _ in a]
@@ -1560,6 +1610,7 @@ def compare_items(a, b, s, k, exact_labels=()):
             if va != vb:
                 return f"{label}: {_short_obj(va)} != {_short_obj(vb)}"
             continue
+        va, vb = va.detach(), vb.detach()
         if va.dtype != vb.dtype:
             return f"{label}: dtype {va.dtype} vs {vb.dtype}"
         if list(va.shape) != list(vb.shape):
@@ -1626,22 +1677,39 @@ class Rank:
                                 "spec": short(s), "t3d": fmt_outcome(t3d), "other": fmt_outcome(other)})
 
     def _maybe_inject(self, s, o):
-        if self.inject is None or self.x.rank != 0 or o.raised:
+        """Self-test of the harness (--inject): alters t3d's result of a call after the fact, on rank 0."""
+        if self.inject is None or self.inject == "done" or self.x.rank != 0 or o.raised:
             return
         if self.inject == "first" or self.inject == s["i"]:
+            torch, _ = _t()
             for label, v in o.items:
-                if _is_tensor(v) and v.numel() and v.dtype.is_floating_point:
-                    v.view(-1)[0] += 1
+                if _is_tensor(v) and v.numel() and v.dtype.is_floating_point and not v.is_sparse:
+                    idx = tuple(0 for _ in v.shape)
+                    with torch.inference_mode(v.is_inference()), torch.no_grad():
+                        v[idx] += 1
                     self.inject = "done"
                     self.injected_at = s["i"]
                     return
 
     def check(self, s, t3d, gloo_fn):
         """Compares t3d's outcome of spec s with gloo's (gloo_fn runs it) and the reference."""
+        try:
+            self._check(s, t3d, gloo_fn)
+        except Exception:   # a harness error: reported like a mismatch, so that the ranks stay in step
+            self.record(s, "harness error while checking:\n" + traceback.format_exc(), t3d, None, "harness")
+
+    def _check(self, s, t3d, gloo_fn):
         x = self.x
         k = len(x.members(s))
         kd = known_difference(s)
         self._maybe_inject(s, t3d)
+        if kd is not None and kd.check == "gloo_with":   # gloo_fn already runs the changed spec: compare as usual
+            self.count("known:" + kd.name)
+            kd = None
+        # gloo first, and on every rank alike: what follows may return early on one rank only.
+        wants_gloo = kd is None or kd.check in ("both_raise", "gloo_or_reference") or kd.gloo == "raises"
+        gloo = gloo_fn() if (wants_gloo and gloo_fn is not None) else None
+        _gloo_settle([gloo])
         ref = _capture(lambda: REF[s["kind"]](x, s))
         if not ref.raised and isinstance(ref.items, Raises):
             ref = ref.items
@@ -1649,12 +1717,11 @@ class Rank:
             self.record(s, "the reference itself raised (harness bug)", t3d, ref, "reference")
             return
         self.count(s["kind"])
-        if kd is None or kd.check == "both_raise":
-            gloo = gloo_fn()
-            if kd is not None:
-                self.count("known:" + kd.name)
-                if not (t3d.raised and gloo.raised):
-                    self.record(s, f"known difference {kd.name}: both should raise", t3d, gloo, "gloo")
+        if kd is None:
+            if gloo is None:   # a batch sub-call that gloo did not run: the reference decides
+                d = compare(t3d, ref, s, k, "reference")
+                if d:
+                    self.record(s, d, t3d, ref, "reference")
                 return
             d = compare(t3d, gloo, s, k, "gloo")
             if d:
@@ -1667,25 +1734,27 @@ class Rank:
                                 gloo, ref, "reference")
             return
         self.count("known:" + kd.name)
-        if kd.check == "gloo_or_reference" and gloo_fn is not None:
-            gloo = gloo_fn()
-            if not gloo.raised:
-                d = compare(t3d, gloo, s, k, "gloo")
-                if d:
-                    self.record(s, d, t3d, gloo, "gloo")
-                return
+        if kd.check == "both_raise":
+            if gloo is not None and not (t3d.raised and gloo.raised):
+                self.record(s, f"known difference {kd.name}: both should raise", t3d, gloo, "gloo")
+            return
+        if kd.check == "gloo_or_reference" and gloo is not None and not gloo.raised:
+            d = compare(t3d, gloo, s, k, "gloo")
+            if d:
+                self.record(s, d, t3d, gloo, "gloo")
+            return
+        if kd.check == "gloo_or_reference" and gloo is not None:
             self.count("known-gloo-raised:" + kd.name)
         d = compare(t3d, ref, s, k, "reference")
         if d:
             self.record(s, f"[{kd.name}] " + d, t3d, ref, "reference")
             return
-        if kd.check == "reference" and kd.gloo == "raises" and gloo_fn is not None:
-            gloo = gloo_fn()
-            if not gloo.raised:
-                self.record(s, f"stale KNOWN_DIFFERENCES entry {kd.name}: gloo no longer raises", t3d, gloo, "gloo")
+        if kd.check == "reference" and kd.gloo == "raises" and gloo is not None and not gloo.raised:
+            self.record(s, f"stale KNOWN_DIFFERENCES entry {kd.name}: gloo no longer raises", t3d, gloo, "gloo")
 
     def run_spec(self, s):
         x = self.x
+        self.raised_last = False
         if s["kind"] == "async_batch":
             return self.run_batch(s)
         if s.get("skip"):
@@ -1695,7 +1764,8 @@ class Rank:
             return
         kd = known_difference(s)
         t3d = call(x, s, "t3d", s["mode"])
-        gloo_fn = (lambda: call(x, s, "gloo", s["mode"])) if not (kd and kd.gloo == "skip") else None
+        gs = gloo_spec(s)
+        gloo_fn = (lambda: call(x, gs, "gloo", s["mode"])) if not (kd and kd.gloo == "skip") else None
         self.raised_last = t3d.raised
         self.check(s, t3d, gloo_fn)
 
@@ -1712,9 +1782,11 @@ class Rank:
 
         def run_all(be):
             started = []
+            specs = [gloo_spec(c) for c in calls] if be == "gloo" else calls
             with _mode(s["mode"]):
-                for c in calls:
-                    if be == "gloo" and known_difference(c) is not None:
+                for c in specs:
+                    kd = known_difference(c)
+                    if be == "gloo" and kd is not None and kd.check != "gloo_with":
                         # Not issued on gloo inside a batch: a failed gloo work fails a later gloo barrier too (the
                         # barrier waits for all earlier work). Such calls are checked against the reference.
                         started.append(None)
@@ -1732,7 +1804,7 @@ class Rank:
                 if isinstance(st, Exception):
                     raise st
                 w, collect = st
-                _wait(w, calls[j].get("wait"))
+                _wait(w, specs[j].get("wait"))
                 return collect()
             with _mode(s["mode"] if s["mode"] != "inference_issue" else "plain"):
                 for j in order:
@@ -1741,6 +1813,7 @@ class Rank:
             return outs
         t3d = run_all("t3d")
         gloo = run_all("gloo")
+        _gloo_settle(gloo)
         self.raised_last = any(o.raised for o in t3d)
         for c, a, b in zip(calls, t3d, gloo):
             self.check(c, a, (lambda b=b: b) if b is not None else None)
@@ -1796,16 +1869,15 @@ def run_seed(rank, ws, seed, ncalls, gloo_world, ctl, only=None, inject=None, ve
             if min(int(f[0]) for f in allf) < (1 << 40) and not keep_going:
                 break
             if any(int(f[1]) for f in allf):
-                # Something raised (identically everywhere, else some rank would have a mismatch): the groups the call
-                # used must still work. Checked on both backends, on the members only.
+                # t3d raised (identically everywhere, else some rank would have a mismatch): the t3d group the call
+                # used must still work (members only). Not done on gloo: see _gloo_settle.
                 for c in (s["calls"] if s["kind"] == "async_batch" else [s]):
                     if x.member(c) or c["kind"] == "p2p":
-                        for be in ("t3d", "gloo"):
-                            try:
-                                dist.barrier(group=x.group(c, be))
-                            except Exception as e:
-                                raise RuntimeError(f"seed {seed} world {ws}: the {be} group {c['group']!r} no longer "
-                                                   f"works after call {short(c)} raised: {e}") from e
+                        try:
+                            dist.barrier(group=x.group(c, "t3d"))
+                        except Exception as e:
+                            raise RuntimeError(f"seed {seed} world {ws}: the t3d group {c['group']!r} no longer works "
+                                               f"after call {short(c)} raised: {e}") from e
         elif len(rk.mismatches) > n_before and verbose:
             print(f"[difftest] rank {rank}: mismatch at {s['i']}", flush=True)
     for g in (t3d_all, t3d_sub, gloo_sub):
@@ -1844,9 +1916,7 @@ def rank_main(rank, ws, cfg):
                        inject=cfg.get("inject"), verbose=cfg.get("verbose", False),
                        keep_going=cfg.get("keep_going", False))
         out.append(res)
-        if res["mismatches"]:
-            # every rank stops at the same seed: the sync that found the mismatch was collective
-            pass
+        # Every rank stops after the same seed (the sync that found a mismatch was collective).
         bad = torch.tensor([len(res["mismatches"])], dtype=torch.int64)
         dist.all_reduce(bad, group=ctl)
         if int(bad) and not cfg.get("keep_going"):
