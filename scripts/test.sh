@@ -33,8 +33,8 @@ rm -rf build-oldest/dist
 "$OLD/bin/python" -m pip wheel -q . --no-build-isolation --no-deps -w build-oldest/dist \
   -Cbuild-dir=build-oldest/skbuild
 WHEEL="$(ls build-oldest/dist/t3d-*.whl)"
-T3D_TEST_WHEEL="$ROOT/$WHEEL" "$OLD/bin/python" -m pytest -q tests/python/test_wheel.py
 "$OLD/bin/python" -m pip install -q --no-deps --force-reinstall "$WHEEL"
+T3D_TEST_WHEEL="$ROOT/$WHEEL" "$OLD/bin/python" -m pytest -q tests/python/test_wheel.py
 "$OLD/bin/python" -m pytest -q tests/python/test_compat.py tests/python/test_cp.py tests/python/test_ring_attention.py \
   tests/python/test_hf_attention.py tests/python/test_pipeline.py tests/python/test_train.py \
   tests/python/test_upstream_example.py tests/python/test_dcp.py tests/python/test_dtensor.py \

@@ -162,6 +162,15 @@ KNOWN_DIFFERENCES = [
           "the output is an inference tensor (made in inference_mode) and wait() runs outside it: gloo's "
           "reduce_scatter_tensor copies its result into the output at wait() under the waiting thread's state; t3d "
           "writes it under the state of the thread that issued the call"),
+    Known("gloo-coalesced-single-strided-complex-element",
+          lambda s: _k(s) == "coalesced" and s["variant"].endswith("all_reduce") and s["dt"] == "complex64"
+          and s["sizes"] == [1] and s["layouts"] == ["strided"] and not s.get("alias"),
+          "gloo's allreduce_coalesced of a single tensor that is a 1-element strided complex view raises 'unsupported "
+          "operation: some elements of the input tensor and the written-to tensor refer to a single memory "
+          "location'; t3d returns the sum",
+          "gloo flattens a lone tensor with view(-1), which here aliases the input (the real view is [1, 2] with "
+          "strides (4, 1)), and the copy back trips torch's partial-overlap check (2 elements, or a second "
+          "tensor, and it copies instead)"),
     Known("gloo-non-contiguous-p2p",
           lambda s: _k(s) == "p2p" and any(m["layout"] == "strided" for m in s["msgs"]),
           "gloo raises 'input tensor has to be contiguous' for a strided send/recv tensor; t3d sends and receives "
