@@ -28,6 +28,11 @@ mkdir -p "$BUILD"
 STAMP="$BUILD/.pip-install-$(sha256sum "$ROOT/pyproject.toml" | cut -c1-12)"
 if [ ! -f "$STAMP" ] || [ "$(installed_from)" != "$(realpath "$ROOT/python")" ]; then
   "$VENV/bin/pip" install -q --no-build-isolation --no-deps -e "$ROOT"
+  # scikit-build-core's editable hook puts a finder at the front of sys.meta_path, ahead of PYTHONPATH: another tree
+  # (an installed copy under test, another clone) could then never be imported instead. A plain path entry, as a
+  # setuptools editable install had, serves the same sources after PYTHONPATH.
+  SITE="$("$VENV/bin/python" -I -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  echo "$(realpath "$ROOT/python")" >"$SITE/_editable_skbc_t3d.pth"
   touch "$STAMP"
 fi
 
