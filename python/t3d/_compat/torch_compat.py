@@ -3,7 +3,7 @@
 What moved between the two ends:
 
 - The context-parallel op-handler table. torch 2.9: `customized_ops` in
-  torch.distributed.tensor.experimental._attention. torch 2.15: that module is a re-export stub; the code lives in
+  torch.distributed.tensor.experimental._attention. torch 2.15: that module only re-exports names; the code lives in
   ..._context_parallel._attention and the table is called `custom_ops` (still a dict merged into DTensor's
   `_custom_op_handlers` each time context_parallel is entered, so handlers added to it take effect the same way).
   The options object `_cp_options` (enable_load_balance, and from 2.15 rotate_method) is in both modules.
