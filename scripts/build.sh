@@ -36,11 +36,6 @@ if [ ! -f "$STAMP" ] || [ "$(installed_from)" != "$(realpath "$ROOT/python")" ];
   touch "$STAMP"
 fi
 
-# A build directory configured for another venv keeps that torch in CMake's cache (find_package(Torch) caches its
-# paths): start its configuration afresh, so that the shim is compiled against this venv's torch.
-if [ -f "$BUILD/CMakeCache.txt" ] && ! grep -qxF "T3D_PYTHON:STRING=$VENV/bin/python" "$BUILD/CMakeCache.txt"; then
-  rm -f "$BUILD/CMakeCache.txt"
-fi
 cmake -S "$ROOT" -B "$BUILD" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DT3D_BUILD_SHIM=ON -DT3D_BUILD_TESTS=ON -DT3D_PY_INPLACE=ON \
   -DT3D_PYTHON="$VENV/bin/python" "$@" >/dev/null
 # The shim and libt3d land next to the Python sources (python/t3d/), where the package loads them.
