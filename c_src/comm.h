@@ -1,11 +1,14 @@
-/* comm.h: the communicator and request structures shared by comm.c (engine), coll.c (front end) and the
- * transports. Algorithms never see them: they get a t3d_exec_t. */
+/* comm.h: the communicator and request structures, and the base's functions on them (base/: errors, the store,
+ * requests). Shared by the engine (core/), the public API (coll.c) and the providers (shm/, ucx/, nccl/);
+ * collective algorithms mostly see a t3d_exec_t. */
 #ifndef T3D_COMM_H
 #define T3D_COMM_H
 
 #include "t3d_internal.h"
 
 #include <pthread.h>
+
+struct t3d_provider;
 
 typedef enum {
   T3D_OP_ALLREDUCE,
@@ -27,6 +30,8 @@ struct t3d_request {
   t3d_op_kind_t kind;
   atomic_int done;
   atomic_int refs; /* the user's handle and the engine's */
+  int shared;      /* one request handed out by many calls (core/submit.c's done request): never freed */
+  const struct t3d_provider *prov; /* what runs it (core/select.c); NULL for a group */
   t3d_result_t result;
   char *errmsg;
   pthread_mutex_t mu; /* guards cb, waiters, errmsg publication */
@@ -86,6 +91,9 @@ struct t3d_comm {
   t3d_shm_t *shm; /* same-host collectives, or NULL */
   t3d_shm_p2p_t *shm_p2p; /* same-host point-to-point, or NULL (then UCX) */
   t3d_nccl_t *nccl; /* CUDA buffers (c_src/nccl/) */
+  /* The provider whose posted point-to-point completes only when someone runs its passes (shm): t3d_test and
+   * t3d_wait drive it for requests marked on_shm (base/request.c). NULL when there is none. */
+  const struct t3d_provider *p2p_driver;
   char transport[16]; /* what was asked for: auto, ucx or shm (splits inherit it) */
 
   pthread_t thread;
@@ -108,45 +116,43 @@ struct t3d_comm {
   int group_depth; /* caller thread only */
   t3d_request_t *group_head, *group_tail;
 
-  t3d_request_t *active_p2p; /* progress thread only */
+  t3d_request_t *active_p2p; /* UCX point-to-point in flight (ucx/p2p.c); progress thread only */
 
   pthread_mutex_t err_mu;
   char last_error[1024];
 };
 
-/* Records the text of an error as the communicator's last error and returns res. */
+/* ---------- errors and the store (base/error.c) ---------- */
+/* Records the text of an error as the communicator's last error (and the thread's) and returns res. */
 t3d_result_t t3d__set_error(t3d_comm_t *comm, t3d_result_t res, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
+/* Breaks the communicator: later operations fail at once with res and msg. */
+void t3d__fail_comm(t3d_comm_t *comm, t3d_result_t res, const char *msg);
+/* The text of the last error on this thread (t3d_thread_last_error). */
+const char *t3d__thread_error(void);
 /* Store helpers with the communicator's key prefix. */
 t3d_result_t t3d__store_set(t3d_comm_t *comm, const char *key, const void *value, size_t len);
 t3d_result_t t3d__store_get(t3d_comm_t *comm, const char *key, void **value, size_t *len);
 
-/* Completes a request (its callback, its group) and drops the engine's reference. */
-void t3d__request_complete(t3d_request_t *req, t3d_result_t res, const char *msg);
-/* Breaks the communicator: later operations fail at once with res and msg. */
-void t3d__fail_comm(t3d_comm_t *comm, t3d_result_t res, const char *msg);
-/* "allreduce", "send", ... */
-const char *t3d__op_name(t3d_op_kind_t kind);
-
-/* Engine (comm.c), used by the front end (coll.c). */
+/* ---------- requests (base/request.c) ---------- */
+/* Fills *req (on the caller's stack) as t3d__request_new would, without its mutex and condition variable: for
+ * t3d__submit_prepared (core/submit.c), which keeps it on the heap (t3d__request_keep) only when it must. */
+void t3d__request_prepare(t3d_comm_t *comm, t3d_op_kind_t kind, const t3d_opts_t *opts, t3d_request_t *req);
+/* A heap copy of a prepared request, with its mutex and condition variable; NULL when out of memory. */
+t3d_request_t *t3d__request_keep(const t3d_request_t *prepared);
 t3d_result_t t3d__request_new(t3d_comm_t *comm, t3d_op_kind_t kind, const t3d_opts_t *opts, t3d_request_t **req);
 void t3d__request_release(t3d_request_t *req);
-/* Fills *req (on the caller's stack) as t3d__request_new would, without its mutex and condition variable: for
- * t3d__submit_prepared. */
-void t3d__request_prepare(t3d_comm_t *comm, t3d_op_kind_t kind, const t3d_opts_t *opts, t3d_request_t *req);
-/* Queues req (or holds it in the open group) and hands the user's reference back through out. */
-t3d_result_t t3d__submit(t3d_comm_t *comm, t3d_request_t *req, t3d_request_t **out);
-/* t3d__submit for a prepared request, which it owns from here (also req->arrays): a small collective that finishes
- * on the caller's thread without error hands out a shared done request and allocates nothing; otherwise req is
- * copied to the heap and goes on as with t3d__submit. */
-t3d_result_t t3d__submit_prepared(t3d_comm_t *comm, t3d_request_t *req, t3d_request_t **out);
-/* Runs one collective on the progress thread (coll.c). */
-/* Finishes an inline one when req->resume is set. */
-t3d_result_t t3d__execute(t3d_exec_t *ex, t3d_request_t *req);
-/* Inline collectives (coll.c): whether req may start on the caller's thread (the engine must be idle), and the
- * start, which returns the result when the operation finished within a short wait, or T3D_IN_PROGRESS with
- * req->resume set when the progress thread must finish it. */
-int t3d__inline_eligible(t3d_comm_t *comm, const t3d_request_t *req);
-t3d_result_t t3d__execute_start(t3d_exec_t *ex, t3d_request_t *req);
+/* Completes a request (its callback, its group) and drops the engine's reference. */
+void t3d__request_complete(t3d_request_t *req, t3d_result_t res, const char *msg);
+/* The same for a request that finished on the caller's thread before the call handed it out: nobody can wait on
+ * it, have set a callback or hold it as a child yet, so no mutex, broadcast or atomic read-modify-write. */
+void t3d__request_complete_fresh(t3d_request_t *req, t3d_result_t res, const char *msg);
+/* "allreduce", "send", ... */
+const char *t3d__op_name(t3d_op_kind_t kind);
+/* The communicator's shared-memory segment, NULL when it has none. */
+static inline t3d_shm_t *t3d__exec_shm(t3d_exec_t *ex) { return ex->comm->shm; }
+static inline int t3d__is_collective(t3d_op_kind_t k) {
+  return k != T3D_OP_SEND && k != T3D_OP_RECV && k != T3D_OP_GROUP;
+}
 
 #endif /* T3D_COMM_H */

@@ -121,17 +121,6 @@ typedef struct t3d_exec {
   char error[512];    /* text of the first failure, for the request and the communicator */
 } t3d_exec_t;
 
-/* Point-to-point inside a collective. step tells apart messages of the same operation between the same pair;
- * both sides must use the same step. */
-t3d_result_t t3d__isend(t3d_exec_t *ex, int peer, uint32_t step, const void *buf, size_t bytes, t3d_xfer_t *x);
-t3d_result_t t3d__irecv(t3d_exec_t *ex, int peer, uint32_t step, void *buf, size_t bytes, t3d_xfer_t *x);
-/* Drives progress until every xfer is done, the deadline passes (T3D_ERR_TIMEOUT), or the communicator is aborted
- * (T3D_ERR_ABORTED); on error the remaining transfers are cancelled. Releases all of them. A received length other
- * than the posted one is T3D_ERR_MISMATCH. */
-t3d_result_t t3d__waitall(t3d_exec_t *ex, t3d_xfer_t *xs, int n);
-/* Send to dst and receive from src at once (either may be -1 for none). */
-t3d_result_t t3d__sendrecv(t3d_exec_t *ex, uint32_t step, int dst, const void *sbuf, size_t sbytes, int src,
-                           void *rbuf, size_t rbytes);
 
 /* Waiting on something other than transfers (shared-memory flags): backoff between polls, and a check that fails
  * the operation on abort or deadline, writing ex->error with `waiting_for` (e.g. "rank(s) 2, 3"). */
@@ -156,7 +145,11 @@ int t3d__backoff_poll_running(t3d_backoff_t *b);
 int t3d__cores_filled(void);
 /* t3d__backoff_poll for waiters without a wake-up signal: past the yield phase, naps of ~20 us. */
 void t3d__backoff_wait(t3d_backoff_t *b);
+/* Fails the operation on abort or deadline (writing ex->error with `waiting_for`, e.g. "rank(s) 2, 3"); T3D_OK
+ * otherwise (base/error.c). */
 t3d_result_t t3d__exec_check(t3d_exec_t *ex, const char *waiting_for);
+/* "timed out", "lost its connection", "was aborted", "failed": how an error message says what happened. */
+const char *t3d__fail_verb(t3d_result_t res);
 
 /* ---------- same-host shared-memory collectives (c_src/shm/) ----------
  * Set up at init when every rank of the communicator is on this host (and T3D_TRANSPORT is not "ucx"). The
@@ -180,7 +173,6 @@ void t3d__shm_p2p_sleep(t3d_shm_p2p_t *p, const t3d_request_t *req, uint64_t max
 /* Collective over the communicator, on the caller's thread; uses the store (t3d__store_set/get in comm.h). */
 t3d_result_t t3d__shm_init(t3d_comm_t *comm, t3d_shm_t **shm);
 void t3d__shm_fini(t3d_shm_t *shm);
-t3d_shm_t *t3d__exec_shm(t3d_exec_t *ex); /* NULL when the communicator has no shared-memory path */
 t3d_result_t t3d__shm_allreduce(t3d_exec_t *ex, const void *sendbuf, void *recvbuf, size_t count, t3d_dtype_t dt,
                                 t3d_redop_t op);
 t3d_result_t t3d__shm_reduce(t3d_exec_t *ex, const void *sendbuf, void *recvbuf, size_t count, t3d_dtype_t dt,
@@ -248,24 +240,6 @@ t3d_result_t t3d__shm_a2a_finish(t3d_exec_t *ex, const t3d_shm_resume_t *rs, con
                                  const size_t *rdispls, size_t es, int equal);
 void t3d__shm_barrier_start(t3d_exec_t *ex, t3d_shm_resume_t *rs);
 t3d_result_t t3d__shm_barrier_finish(t3d_exec_t *ex, const t3d_shm_resume_t *rs);
-
-/* ---------- algorithms (c_src/algo/). All run on the progress thread with blocking semantics. ----------
- * Reducing ones see only T3D_SUM, PROD, MIN, MAX, BAND, BOR, BXOR on non-half dtypes: the front end (coll.c)
- * converts half types to float32, applies PREMUL_SUM's scalar before and AVG's division after. */
-t3d_result_t t3d__algo_allreduce(t3d_exec_t *ex, const void *sendbuf, void *recvbuf, size_t count, t3d_dtype_t dt,
-                                 t3d_redop_t op);
-t3d_result_t t3d__algo_reduce(t3d_exec_t *ex, const void *sendbuf, void *recvbuf, size_t count, t3d_dtype_t dt,
-                              t3d_redop_t op, int root);
-t3d_result_t t3d__algo_reduce_scatterv(t3d_exec_t *ex, const void *sendbuf, void *recvbuf, const size_t *counts,
-                                       t3d_dtype_t dt, t3d_redop_t op);
-t3d_result_t t3d__algo_broadcast(t3d_exec_t *ex, void *buf, size_t bytes, int root);
-t3d_result_t t3d__algo_allgatherv(t3d_exec_t *ex, const void *sendbuf, void *recvbuf, const size_t *bytes,
-                                  const size_t *displs_bytes);
-t3d_result_t t3d__algo_gather(t3d_exec_t *ex, const void *sendbuf, void *recvbuf, size_t bytes, int root);
-t3d_result_t t3d__algo_scatter(t3d_exec_t *ex, const void *sendbuf, void *recvbuf, size_t bytes, int root);
-t3d_result_t t3d__algo_alltoallv(t3d_exec_t *ex, const void *sendbuf, const size_t *sbytes, const size_t *sdispls,
-                                 void *recvbuf, const size_t *rbytes, const size_t *rdispls);
-t3d_result_t t3d__algo_barrier(t3d_exec_t *ex);
 
 /* ---------- reduction kernels (c_src/reduce.c) ---------- */
 /* dst[i] = dst[i] op src[i] for n elements. op is one of SUM, PROD, MIN, MAX, BAND, BOR, BXOR; dt is not half. */

@@ -225,6 +225,9 @@ const char *t3d_request_error(t3d_request_t *req);
 /* Receives: the sender's rank and the number of elements that arrived. */
 int t3d_request_source(t3d_request_t *req);
 size_t t3d_request_count(t3d_request_t *req);
+/* The provider that runs the operation: "shm" (same-host shared memory), "ucx" (the algorithms over UCX) or "nccl"
+ * (CUDA buffers); "" for a group. Chosen when the call is issued (docs/architecture.md, "Providers"). */
+const char *t3d_request_provider(const t3d_request_t *req);
 /* Called once, from t3d's progress thread, when the request completes (at once if already complete). It must not
  * block on another t3d request of the same communicator. */
 typedef void (*t3d_callback_t)(void *arg, t3d_result_t result);

@@ -1,4 +1,4 @@
-/* nccl_internal.h: what the engine (comm.c) calls to run requests on CUDA buffers through NCCL. */
+/* nccl_internal.h: what the engine (core/) calls to run requests on CUDA buffers through NCCL. */
 #ifndef T3D_NCCL_INTERNAL_H
 #define T3D_NCCL_INTERNAL_H
 

@@ -1,5 +1,5 @@
 /* scatter.c: linear scatter: the root posts a send to every rank at once, the others receive. */
-#include "algo.h"
+#include "ucx.h"
 
 #include <stdlib.h>
 

@@ -1,6 +1,6 @@
 /* alltoall.c: alltoallv: every receive and send posted at once (empty ones skipped on both sides), the own block
  * copied locally. */
-#include "algo.h"
+#include "ucx.h"
 
 #include <stdlib.h>
 

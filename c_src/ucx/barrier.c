@@ -1,6 +1,6 @@
 /* barrier.c: dissemination barrier: in round k each rank signals rank + 2^k and waits for rank - 2^k, so after
  * ceil(log2 size) rounds every rank has heard, directly or not, from every other. */
-#include "algo.h"
+#include "ucx.h"
 
 t3d_result_t t3d__algo_barrier(t3d_exec_t *ex) {
   int n = ex->size, r = ex->rank;

@@ -1,7 +1,7 @@
 /* allreduce.c: allreduce. Small vectors: every rank sends its whole vector to every other and each reduces all of
  * them in rank order (one round). Large: ring reduce-scatter then ring allgather over size blocks. Both give
  * bitwise identical results on every rank: a fixed reduction order everywhere, or one owner per element. */
-#include "algo.h"
+#include "ucx.h"
 
 #include <stdlib.h>
 

@@ -1,6 +1,6 @@
 /* allgather.c: allgatherv over per-rank byte counts and displacements. Small totals: every rank sends its block to
  * every other at once. Larger: a ring. */
-#include "algo.h"
+#include "ucx.h"
 
 #include <stdlib.h>
 

@@ -1,4 +1,4 @@
-/* transport/ucx.c: UCP tagged messages. One UCP context and worker per communicator, endpoints to every peer,
+/* transport.c: UCP tagged messages. One UCP context and worker per communicator, endpoints to every peer,
  * worker addresses exchanged through the store. Only the progress thread touches the worker after init. */
 #include "comm.h"
 

@@ -1,6 +1,6 @@
 /* ring.c: building blocks the collectives share: transfer batches, pairwise exchange, and ring reduce-scatter and
  * allgather over blocks of uneven sizes. */
-#include "algo.h"
+#include "ucx.h"
 
 #include <stdlib.h>
 

@@ -1,5 +1,5 @@
 /* gather.c: linear gather: the root posts a receive from every rank at once, the others send. */
-#include "algo.h"
+#include "ucx.h"
 
 #include <stdlib.h>
 

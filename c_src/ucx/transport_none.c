@@ -1,4 +1,4 @@
-/* transport/ucx_none.c: the stand-in for transport/ucx.c in a build without UCX (T3D_WITH_UCX=OFF, or AUTO without
+/* transport_none.c: the stand-in for transport.c in a build without UCX (T3D_WITH_UCX=OFF, or AUTO without
  * UCX found). Nothing reaches it: t3d_comm_init makes every rank, even a group of one, use the shared-memory segment
  * for collectives and point-to-point, and refuses with a clear error every configuration that would need UCX (ranks
  * on other hosts, T3D_TRANSPORT=ucx, point-to-point off the segment). Its transfers fail if called all the same. */

@@ -1,6 +1,6 @@
 /* reduce.c: reduce to a root. Small vectors: every rank sends its vector to the root, which reduces them in rank
  * order. Large: ring reduce-scatter over size blocks, then every rank sends its reduced block to the root. */
-#include "algo.h"
+#include "ucx.h"
 
 #include <stdlib.h>
 

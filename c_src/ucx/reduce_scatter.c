@@ -1,6 +1,6 @@
 /* reduce_scatter.c: reduce_scatterv. Small totals: each rank sends every block straight to its owner, who reduces
  * them in rank order (one round). Larger: a ring over the blocks, sized by the count array. */
-#include "algo.h"
+#include "ucx.h"
 
 #include <stdlib.h>
 

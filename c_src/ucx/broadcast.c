@@ -1,6 +1,6 @@
 /* broadcast.c: binomial tree rooted at root, on ranks relative to it. Large messages go down the tree in chunks,
  * so that a rank forwards chunk k while chunk k+1 arrives. */
-#include "algo.h"
+#include "ucx.h"
 
 /* Below this a message goes whole; above it in chunks of this size (more when that would need too many steps). */
 #define PIPELINE_CHUNK ((size_t)256 * 1024)

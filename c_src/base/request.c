@@ -1,0 +1,184 @@
+/* request.c: requests: their set-up, completion (callbacks, groups), reference counts, and what a user does with
+ * one (test, wait, poll, read its result). */
+#include "comm.h"
+#include "provider.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+void t3d__request_prepare(t3d_comm_t *comm, t3d_op_kind_t kind, const t3d_opts_t *opts, t3d_request_t *r) {
+  memset(r, 0, sizeof *r);
+  r->comm = comm;
+  r->kind = kind;
+  atomic_init(&r->done, 0);
+  atomic_init(&r->refs, 2);
+  r->timeout_ms = (opts != NULL && opts->timeout_ms > 0) ? opts->timeout_ms : comm->timeout_ms;
+  r->scalar = opts != NULL ? opts->premul_scalar : 1.0;
+  r->flags = opts != NULL ? opts->flags : 0u;
+  /* A barrier has no buffers: it always runs on the host. */
+  if (opts != NULL && opts->memtype == T3D_MEM_CUDA && kind != T3D_OP_BARRIER) {
+    r->memtype = T3D_MEM_CUDA;
+    r->device = opts->device;
+    r->stream = opts->stream;
+  }
+  r->source = -1;
+}
+
+t3d_request_t *t3d__request_keep(const t3d_request_t *prepared) {
+  t3d_request_t *r = malloc(sizeof *r);
+  if (r == NULL) return NULL;
+  memcpy(r, prepared, sizeof *r);
+  pthread_mutex_init(&r->mu, NULL);
+  pthread_cond_init(&r->cv, NULL);
+  return r;
+}
+
+t3d_result_t t3d__request_new(t3d_comm_t *comm, t3d_op_kind_t kind, const t3d_opts_t *opts, t3d_request_t **out) {
+  t3d_request_t tmp;
+  t3d__request_prepare(comm, kind, opts, &tmp);
+  *out = t3d__request_keep(&tmp);
+  if (*out == NULL) return t3d__set_error(comm, T3D_ERR_NO_MEMORY, "t3d: out of memory for a request");
+  return T3D_OK;
+}
+
+static void request_destroy(t3d_request_t *r) {
+  pthread_mutex_destroy(&r->mu);
+  pthread_cond_destroy(&r->cv);
+  free(r->errmsg);
+  free(r->arrays);
+  free(r);
+}
+
+void t3d__request_release(t3d_request_t *r) {
+  if (atomic_fetch_sub(&r->refs, 1) == 1) request_destroy(r);
+}
+
+void t3d_request_free(t3d_request_t *req) {
+  if (req != NULL && !req->shared) t3d__request_release(req);
+}
+
+void t3d__request_complete(t3d_request_t *r, t3d_result_t res, const char *msg) {
+  r->result = res;
+  if (res < 0 && msg != NULL && msg[0] != '\0') r->errmsg = strdup(msg);
+  pthread_mutex_lock(&r->mu);
+  atomic_store_explicit(&r->done, 1, memory_order_release);
+  t3d_callback_t cb = r->cb;
+  void *arg = r->cb_arg;
+  r->cb = NULL;
+  pthread_cond_broadcast(&r->cv);
+  pthread_mutex_unlock(&r->mu);
+  if (cb != NULL) cb(arg, res);
+  t3d_request_t *parent = r->parent;
+  if (parent != NULL) {
+    if (res < 0 && parent->first_child_error == T3D_OK) {
+      parent->first_child_error = res;
+      if (r->errmsg != NULL) parent->errmsg = strdup(r->errmsg);
+    }
+    if (atomic_fetch_sub(&parent->pending_children, 1) == 1) {
+      char *pmsg = parent->errmsg;
+      parent->errmsg = NULL;
+      t3d__request_complete(parent, parent->first_child_error, pmsg);
+      free(pmsg);
+    }
+  }
+  t3d__request_release(r); /* the engine's reference */
+}
+
+/* Without the mutex, the broadcast and the atomic read-modify-writes: each locked instruction would also wait for
+ * the stores just made to leave this core. */
+void t3d__request_complete_fresh(t3d_request_t *r, t3d_result_t res, const char *msg) {
+  r->result = res;
+  if (res < 0 && msg != NULL && msg[0] != '\0') r->errmsg = strdup(msg);
+  atomic_store_explicit(&r->done, 1, memory_order_relaxed);
+  atomic_store_explicit(&r->refs, 1, memory_order_relaxed); /* the engine's reference, dropped */
+}
+
+/* Point-to-point over shared memory progresses only when someone runs a pass: a waiter does. */
+static int drive(t3d_request_t *req) {
+  if (!req->on_shm || atomic_load_explicit(&req->done, memory_order_acquire)) return 0;
+  return req->comm->p2p_driver->progress(req->comm);
+}
+
+t3d_result_t t3d_test(t3d_request_t *req) {
+  if (req == NULL) return T3D_ERR_INVALID_ARG;
+  drive(req);
+  if (!atomic_load_explicit(&req->done, memory_order_acquire)) return T3D_IN_PROGRESS;
+  return req->result;
+}
+
+int t3d_request_poll(t3d_request_t *req, uint64_t *since) {
+  if (req == NULL || since == NULL) return 1;
+  if (!req->on_shm) return t3d_backoff_poll(since);
+  if (atomic_load_explicit(&req->done, memory_order_acquire)) return 1;
+  if (drive(req) > 0) {
+    *since = 0;
+    return 0;
+  }
+  /* Nobody else runs the passes this request needs: past the spin and yield phases, sleep on this rank's doorbell,
+   * which peers ring when they publish something for it. */
+  if (t3d_backoff_poll(since)) req->comm->p2p_driver->sleep(req->comm, req, 1000000);
+  return 0;
+}
+
+t3d_result_t t3d_wait(t3d_request_t *req, int64_t timeout_ms) {
+  if (req == NULL) return T3D_ERR_INVALID_ARG;
+  if (atomic_load_explicit(&req->done, memory_order_acquire)) return req->result; /* e.g. finished inline */
+  /* Spin a little, then yield (the progress threads may need this core), then sleep on the condition variable.
+   * Point-to-point over shared memory keeps polling (t3d_request_poll) until done or timeout_ms. */
+  uint64_t since = 0;
+  uint64_t until = timeout_ms >= 0 ? t3d__now_ns() + (uint64_t)timeout_ms * 1000000ull : UINT64_MAX;
+  while (!atomic_load_explicit(&req->done, memory_order_acquire)) {
+    if (t3d_request_poll(req, &since) || t3d__now_ns() > until) break;
+  }
+  struct timespec dl;
+  clock_gettime(CLOCK_REALTIME, &dl);
+  if (timeout_ms >= 0) {
+    dl.tv_sec += timeout_ms / 1000;
+    dl.tv_nsec += (timeout_ms % 1000) * 1000000L;
+    if (dl.tv_nsec >= 1000000000L) {
+      dl.tv_sec++;
+      dl.tv_nsec -= 1000000000L;
+    }
+  }
+  pthread_mutex_lock(&req->mu);
+  int rc = 0;
+  while (!atomic_load_explicit(&req->done, memory_order_acquire) && rc != ETIMEDOUT) {
+    rc = timeout_ms >= 0 ? pthread_cond_timedwait(&req->cv, &req->mu, &dl) : pthread_cond_wait(&req->cv, &req->mu);
+  }
+  pthread_mutex_unlock(&req->mu);
+  if (!atomic_load_explicit(&req->done, memory_order_acquire)) return T3D_ERR_TIMEOUT;
+  return req->result;
+}
+
+const char *t3d_request_error(t3d_request_t *req) {
+  if (req == NULL || !atomic_load_explicit(&req->done, memory_order_acquire) || req->errmsg == NULL) return "";
+  return req->errmsg;
+}
+
+const char *t3d_request_provider(const t3d_request_t *req) {
+  return req != NULL && req->prov != NULL ? req->prov->name : "";
+}
+
+int t3d_request_source(t3d_request_t *req) { return req != NULL ? req->source : -1; }
+size_t t3d_request_count(t3d_request_t *req) { return req != NULL ? req->recv_count : 0; }
+
+t3d_result_t t3d_request_set_callback(t3d_request_t *req, t3d_callback_t fn, void *arg) {
+  if (req == NULL || fn == NULL) return T3D_ERR_INVALID_ARG;
+  pthread_mutex_lock(&req->mu);
+  int done = atomic_load_explicit(&req->done, memory_order_acquire);
+  if (!done) {
+    req->cb = fn;
+    req->cb_arg = arg;
+  }
+  pthread_mutex_unlock(&req->mu);
+  if (done) fn(arg, req->result);
+  return T3D_OK;
+}
+
+const char *t3d__op_name(t3d_op_kind_t k) {
+  static const char *names[] = {"allreduce", "broadcast",     "reduce",   "allgather", "gather", "scatter",
+                                "reduce_scatter", "alltoall", "barrier", "send",      "recv",   "group"};
+  return names[k];
+}

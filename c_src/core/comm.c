@@ -1,0 +1,292 @@
+/* comm.c: a communicator's life: init (the transport, the shared-memory segment when every rank is on this host,
+ * NCCL's state, the progress thread), destroy, abort, status, and split into subgroups. */
+#include "engine.h"
+#include "nccl/nccl_internal.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+void t3d_config_init(t3d_config_t *cfg) {
+  if (cfg == NULL) return;
+  cfg->timeout_ms = 0;
+  cfg->name = NULL;
+  cfg->key_prefix = NULL;
+  cfg->transport = NULL;
+  cfg->inline_bytes = T3D_INLINE_DEFAULT;
+}
+
+/* A build without UCX (T3D_HAVE_UCX 0: ucx/transport_none.c) serves a communicator only when the shared-memory
+ * segment carries all of it; anything else fails init on every rank with this error. */
+static t3d_result_t no_ucx(t3d_comm_t *comm, t3d_result_t res, const char *why) {
+  return t3d__set_error(comm, res,
+                        "t3d_comm_init: this build of t3d has no UCX (built with T3D_WITH_UCX=OFF or without UCX "
+                        "found), which rank %d of group '%s' needs: %s", comm->rank, comm->name, why);
+}
+
+/* T3D_TRANSPORT: "auto" (shared memory for collectives when every rank is on this host, UCX for the rest), "ucx"
+ * (UCX only), "shm" (like auto, but an error when some rank is on another host). */
+static t3d_result_t pick_transport(t3d_comm_t *comm, const char *want) {
+  if (strcmp(want, "ucx") == 0 && !T3D_HAVE_UCX)
+    return no_ucx(comm, T3D_ERR_UNSUPPORTED, "its transport is 'ucx' (T3D_TRANSPORT or config)");
+  if (strcmp(want, "auto") == 0 || strcmp(want, "ucx") == 0 || strcmp(want, "shm") == 0) {
+    comm->tp = &t3d__transport_ucx;
+    return T3D_OK;
+  }
+  return t3d__set_error(comm, T3D_ERR_UNSUPPORTED,
+                        "t3d_comm_init: transport '%s' (T3D_TRANSPORT or config) is not available on rank %d; this "
+                        "build has: %s", want, comm->rank, T3D_HAVE_UCX ? "auto, ucx, shm" : "auto, shm");
+}
+
+/* Same host = same host name and same boot: containers that share a name but not memory differ in boot id only
+ * rarely, and a wrong guess fails at segment open with a clear error rather than silently. */
+static void host_identity(char *buf, size_t len) {
+  char host[256] = "?", boot[64] = "";
+  gethostname(host, sizeof host - 1);
+  FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r");
+  if (f != NULL) {
+    if (fgets(boot, sizeof boot, f) == NULL) boot[0] = '\0';
+    fclose(f);
+  }
+  boot[strcspn(boot, "\n")] = '\0';
+  snprintf(buf, len, "%s/%s", host, boot);
+}
+
+/* Without UCX even a group of one takes the segment: its sends to itself need the segment's point-to-point. */
+static t3d_result_t setup_shm(t3d_comm_t *comm, const char *want) {
+  if (strcmp(want, "ucx") == 0 || (comm->size == 1 && T3D_HAVE_UCX)) return T3D_OK;
+  char mine[400], key[32];
+  host_identity(mine, sizeof mine);
+  snprintf(key, sizeof key, "host/%d", comm->rank);
+  T3D_CHECK(t3d__store_set(comm, key, mine, strlen(mine) + 1));
+  int same = 1, other = -1;
+  for (int p = 0; p < comm->size && same; p++) {
+    if (p == comm->rank) continue;
+    void *v = NULL;
+    size_t len = 0;
+    snprintf(key, sizeof key, "host/%d", p);
+    T3D_CHECK(t3d__store_get(comm, key, &v, &len));
+    if (len != strlen(mine) + 1 || memcmp(v, mine, len) != 0) {
+      same = 0;
+      other = p;
+    }
+    free(v);
+  }
+  if (same) {
+    t3d__backoff_note_ranks(comm->size); /* first: the segment's waiters follow it */
+    t3d_result_t res = t3d__shm_init(comm, &comm->shm);
+    if (res == T3D_OK) res = t3d__shm_p2p_attach(comm, comm->shm, &comm->shm_p2p);
+    if (res == T3D_OK && comm->shm_p2p != NULL) comm->p2p_driver = &t3d__provider_shm;
+    if (!T3D_HAVE_UCX && res == T3D_OK && comm->shm_p2p == NULL) {
+      res = no_ucx(comm, T3D_ERR_UNSUPPORTED,
+                   t3d__env_int("T3D_SHM_P2P", 1) == 0
+                       ? "point-to-point off the shared-memory segment (T3D_SHM_P2P=0)"
+                       : "point-to-point off the shared-memory segment (T3D_SHM_P2P=0 on some rank, or a rank may "
+                         "not read another's memory with process_vm_readv: seccomp, Yama ptrace_scope or users)");
+    } else if (!T3D_HAVE_UCX && res != T3D_OK && res != T3D_ERR_TIMEOUT) { /* a timeout: a peer did not come */
+      char why[sizeof comm->last_error];
+      snprintf(why, sizeof why, "the shared-memory segment cannot be used: %.960s", t3d__thread_error());
+      res = no_ucx(comm, res, why);
+    }
+    if (res != T3D_OK) {
+      t3d__shm_fini(comm->shm);
+      comm->shm = NULL;
+    }
+    return res;
+  }
+  if (!T3D_HAVE_UCX) {
+    char why[96];
+    snprintf(why, sizeof why, "rank %d is on another host than rank %d", other, comm->rank);
+    return no_ucx(comm, T3D_ERR_UNSUPPORTED, why);
+  }
+  if (strcmp(want, "shm") == 0) {
+    return t3d__set_error(comm, T3D_ERR_UNSUPPORTED,
+                          "t3d_comm_init: T3D_TRANSPORT=shm but rank %d of group '%s' is on another host than rank %d",
+                          other, comm->name, comm->rank);
+  }
+  return T3D_OK;
+}
+
+static void comm_free(t3d_comm_t *comm) {
+  pthread_mutex_destroy(&comm->mu);
+  pthread_cond_destroy(&comm->cv);
+  pthread_mutex_destroy(&comm->err_mu);
+  free(comm);
+}
+
+t3d_result_t t3d_comm_init(t3d_comm_t **out, int rank, int size, const t3d_store_t *store, const t3d_config_t *cfg) {
+  if (out == NULL) return T3D_ERR_INVALID_ARG;
+  *out = NULL;
+  if (size < 1 || size > 65535 || rank < 0 || rank >= size || store == NULL || store->set == NULL ||
+      store->get == NULL) {
+    T3D_WARN("t3d_comm_init: invalid argument: rank %d, size %d, store %p", rank, size, (const void *)store);
+    return T3D_ERR_INVALID_ARG;
+  }
+  t3d_comm_t *comm = calloc(1, sizeof *comm);
+  if (comm == NULL) return T3D_ERR_NO_MEMORY;
+  pthread_mutex_init(&comm->mu, NULL);
+  pthread_cond_init(&comm->cv, NULL);
+  pthread_mutex_init(&comm->err_mu, NULL);
+  comm->rank = rank;
+  comm->size = size;
+  comm->store = *store;
+  t3d_config_t dflt;
+  t3d_config_init(&dflt);
+  if (cfg == NULL) cfg = &dflt;
+  comm->timeout_ms = cfg->timeout_ms > 0 ? cfg->timeout_ms : t3d__env_int("T3D_TIMEOUT_MS", 600000);
+  snprintf(comm->name, sizeof comm->name, "%s", cfg->name ? cfg->name : "comm");
+  snprintf(comm->prefix, sizeof comm->prefix, "%s", cfg->key_prefix ? cfg->key_prefix : "t3d");
+  comm->inline_max = cfg->inline_bytes >= -1 ? cfg->inline_bytes : t3d__env_int("T3D_INLINE_BYTES", 64 * 1024);
+  if (comm->inline_max < -1) comm->inline_max = -1;
+  int64_t wait_ns = t3d__env_int("T3D_INLINE_WAIT_NS", 20000);
+  comm->inline_wait_ns = wait_ns > 0 ? (uint64_t)wait_ns : 0;
+
+  const char *want = cfg->transport ? cfg->transport : t3d__env_str("T3D_TRANSPORT", "auto");
+  snprintf(comm->transport, sizeof comm->transport, "%s", want);
+  t3d_result_t res = pick_transport(comm, want);
+  if (res == T3D_OK) res = comm->tp->init(comm, &comm->tp_state);
+  if (res == T3D_OK) {
+    res = setup_shm(comm, want);
+    if (res != T3D_OK) comm->tp->fini(comm->tp_state);
+  }
+  if (res == T3D_OK) {
+    res = t3d__nccl_new(&comm->nccl);
+    if (res != T3D_OK) {
+      t3d__shm_p2p_free(comm->shm_p2p);
+      t3d__shm_fini(comm->shm);
+      comm->tp->fini(comm->tp_state);
+    }
+  }
+  if (res == T3D_OK && pthread_create(&comm->thread, NULL, t3d__progress_main, comm) != 0) {
+    res = t3d__set_error(comm, T3D_ERR_SYSTEM, "t3d_comm_init: cannot start the progress thread on rank %d", rank);
+    t3d__nccl_free(comm->nccl, 0);
+    t3d__shm_p2p_free(comm->shm_p2p);
+    t3d__shm_fini(comm->shm);
+    comm->tp->fini(comm->tp_state);
+  }
+  if (res != T3D_OK) {
+    /* The caller has no communicator to ask, so the reason goes to the log as well. */
+    T3D_WARN("%s", comm->last_error);
+    comm_free(comm);
+    return res;
+  }
+  comm->thread_started = 1;
+  T3D_INFO("comm '%s' rank %d/%d up over %s%s", comm->name, rank, size, comm->tp->name,
+           comm->shm ? " + shared memory" : "");
+  *out = comm;
+  return T3D_OK;
+}
+
+t3d_result_t t3d_comm_destroy(t3d_comm_t *comm) {
+  if (comm == NULL) return T3D_ERR_INVALID_ARG;
+  if (comm->thread_started) {
+    pthread_mutex_lock(&comm->mu);
+    comm->stop = 1;
+    pthread_cond_signal(&comm->cv);
+    pthread_mutex_unlock(&comm->mu);
+    pthread_join(comm->thread, NULL);
+  }
+  t3d__nccl_free(comm->nccl, comm->timeout_ms);
+  t3d__shm_p2p_free(comm->shm_p2p);
+  t3d__shm_fini(comm->shm);
+  comm->tp->fini(comm->tp_state);
+  comm_free(comm);
+  return T3D_OK;
+}
+
+t3d_result_t t3d_comm_abort(t3d_comm_t *comm) {
+  if (comm == NULL) return T3D_ERR_INVALID_ARG;
+  int expected = 0;
+  if (atomic_compare_exchange_strong(&comm->fatal, &expected, (int)T3D_ERR_ABORTED)) {
+    snprintf(comm->fatal_msg, sizeof comm->fatal_msg, "t3d: group '%s' was aborted on rank %d", comm->name,
+             comm->rank);
+  }
+  atomic_store(&comm->aborted, 1);
+  t3d__nccl_abort(comm->nccl);
+  pthread_mutex_lock(&comm->mu);
+  pthread_cond_signal(&comm->cv);
+  pthread_mutex_unlock(&comm->mu);
+  return T3D_OK;
+}
+
+int t3d_comm_rank(const t3d_comm_t *comm) { return comm ? comm->rank : -1; }
+int t3d_comm_size(const t3d_comm_t *comm) { return comm ? comm->size : -1; }
+t3d_result_t t3d_comm_status(t3d_comm_t *comm) {
+  if (comm == NULL) return T3D_ERR_INVALID_ARG;
+  t3d__nccl_poll_errors(comm);
+  return (t3d_result_t)atomic_load(&comm->fatal);
+}
+const char *t3d_comm_transport(const t3d_comm_t *comm) {
+  if (comm == NULL || comm->tp == NULL) return "";
+  return comm->shm != NULL ? (T3D_HAVE_UCX ? "shm+ucx" : "shm") : comm->tp->name;
+}
+
+typedef struct {
+  int key, rank;
+} split_member_t;
+
+static int member_cmp(const void *a, const void *b) {
+  const split_member_t *x = a, *y = b;
+  if (x->key != y->key) return x->key < y->key ? -1 : 1;
+  return x->rank < y->rank ? -1 : (x->rank > y->rank);
+}
+
+t3d_result_t t3d_comm_split(t3d_comm_t *parent, int color, int key, const t3d_config_t *cfg, t3d_comm_t **newcomm) {
+  if (parent == NULL || newcomm == NULL) return T3D_ERR_INVALID_ARG;
+  *newcomm = NULL;
+  if (color < 0 && color != T3D_SPLIT_NOCOLOR) {
+    return t3d__set_error(parent, T3D_ERR_INVALID_ARG,
+                          "t3d_comm_split: invalid argument 'color' (%d) on rank %d of group '%s': must be >= 0 or "
+                          "T3D_SPLIT_NOCOLOR", color, parent->rank, parent->name);
+  }
+  int n = parent->size;
+  int mine[2] = {color, key};
+  int *all = malloc(sizeof(int) * 2 * (size_t)n);
+  split_member_t *members = malloc(sizeof *members * (size_t)n);
+  if (all == NULL || members == NULL) {
+    free(all);
+    free(members);
+    return T3D_ERR_NO_MEMORY;
+  }
+  t3d_request_t *r = NULL;
+  t3d_result_t res = t3d_allgather(parent, mine, all, 2, T3D_INT32, NULL, &r);
+  if (res == T3D_OK) {
+    res = t3d_wait(r, -1);
+    t3d_request_free(r);
+  }
+  pthread_mutex_lock(&parent->mu);
+  int split_id = parent->split_count++;
+  pthread_mutex_unlock(&parent->mu);
+  int count = 0, newrank = -1;
+  if (res == T3D_OK && color != T3D_SPLIT_NOCOLOR) {
+    for (int p = 0; p < n; p++) {
+      if (all[2 * p] == color) members[count++] = (split_member_t){all[2 * p + 1], p};
+    }
+    qsort(members, (size_t)count, sizeof *members, member_cmp);
+    for (int i = 0; i < count; i++) {
+      if (members[i].rank == parent->rank) newrank = i;
+    }
+    t3d_config_t c;
+    t3d_config_init(&c);
+    if (cfg != NULL) c = *cfg;
+    if (c.timeout_ms <= 0) c.timeout_ms = parent->timeout_ms;
+    if (c.name == NULL) c.name = "split";
+    char prefix[300];
+    snprintf(prefix, sizeof prefix, "%s/split%d/color%d", parent->prefix, split_id, color);
+    c.key_prefix = prefix;
+    if (c.transport == NULL) c.transport = parent->transport;
+    if (c.inline_bytes < -1) c.inline_bytes = parent->inline_max;
+    res = t3d_comm_init(newcomm, newrank, count, &parent->store, &c);
+    if (res != T3D_OK) {
+      t3d__set_error(parent, res, "t3d_comm_split: rank %d of group '%s' could not create its part (color %d): %s",
+                     parent->rank, parent->name, color, t3d_thread_last_error());
+    }
+  } else if (res != T3D_OK) {
+    t3d__set_error(parent, res, "t3d_comm_split: exchanging colors on group '%s' failed: %s", parent->name,
+                   t3d_thread_last_error());
+  }
+  free(all);
+  free(members);
+  return res;
+}

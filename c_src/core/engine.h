@@ -1,0 +1,49 @@
+/* engine.h: the engine's parts (core/), seen by each other and by the public API (coll.c). Providers never include
+ * this header: they depend on the base, not on the engine. */
+#ifndef T3D_ENGINE_H
+#define T3D_ENGINE_H
+
+#include "provider.h"
+
+/* ---------- choosing a provider (select.c) ---------- */
+/* The providers in the order they are tried (T3D_PROVIDERS, default "shm,nccl,ucx"), NULL-terminated. */
+const t3d_provider_t *const *t3d__providers(void);
+/* The first provider of that list that fits req on comm, or NULL (then nothing can run it). */
+const t3d_provider_t *t3d__provider_for(const t3d_comm_t *comm, const t3d_request_t *req);
+/* Whether an operation of req's kind is issued through its provider's post (point-to-point, and everything of a
+ * provider without host collectives, i.e. NCCL) rather than run as a collective. */
+static inline int t3d__is_posted(const t3d_request_t *req) {
+  return !t3d__is_collective(req->kind) || req->prov->coll == NULL;
+}
+
+/* ---------- running a collective (run.c) ---------- */
+void t3d__exec_init(t3d_comm_t *comm, t3d_request_t *r, t3d_exec_t *ex);
+/* The front end: complex as real pairs, half types through float32, PREMUL_SUM's scalar before and AVG's division
+ * after, then the provider's collective. Finishes a started one (req->resume) through the provider's finish. */
+t3d_result_t t3d__execute(t3d_exec_t *ex, t3d_request_t *req);
+/* Writes a failed collective's error to the communicator; errors that leave peers out of step break it. */
+void t3d__record_failure(t3d_comm_t *comm, t3d_exec_t *ex, t3d_result_t res);
+/* Records the outcome of a collective and completes it. release: end the engine's busy state first, so that
+ * whoever sees r done finds the engine idle. fresh: r finished on the caller's thread and was not handed out yet. */
+void t3d__end_collective(t3d_comm_t *comm, t3d_request_t *r, t3d_exec_t *ex, t3d_result_t res, int release,
+                         int fresh);
+/* Runs a queued collective (or fails it at once on a broken communicator). */
+void t3d__run_collective(t3d_comm_t *comm, t3d_request_t *r, int release);
+/* Ends the engine's busy state; wakes the progress thread for requests queued meanwhile. */
+void t3d__release_engine(t3d_comm_t *comm);
+
+/* ---------- issuing (submit.c) ---------- */
+/* Queues req (or holds it in the open group, or posts it through its provider) and hands the user's reference
+ * back through out. */
+t3d_result_t t3d__submit(t3d_comm_t *comm, t3d_request_t *req, t3d_request_t **out);
+/* t3d__submit for a prepared request (base/request.c), which it owns from here (also req->arrays): a small
+ * collective that finishes on the caller's thread without error hands out a shared done request and allocates
+ * nothing; otherwise req is copied to the heap and goes on as with t3d__submit. */
+t3d_result_t t3d__submit_prepared(t3d_comm_t *comm, t3d_request_t *req, t3d_request_t **out);
+/* Appends req to the progress thread's queue. */
+void t3d__enqueue(t3d_comm_t *comm, t3d_request_t *req);
+
+/* ---------- the progress thread (progress.c) ---------- */
+void *t3d__progress_main(void *comm);
+
+#endif /* T3D_ENGINE_H */

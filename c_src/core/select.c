@@ -1,0 +1,53 @@
+/* select.c: the one place where the engine chooses who runs an operation. The providers are tried in order and the
+ * first whose fits() accepts the request runs it:
+ *   shm   host memory, every rank of the communicator on this host (the segment exists): collectives, and
+ *         point-to-point when every rank can read the others' memory; gather and scatter only without UCX
+ *   nccl  CUDA memory: everything, on the caller's stream
+ *   ucx   host memory: everything else (ranks on other hosts, T3D_TRANSPORT=ucx, gather and scatter)
+ * T3D_PROVIDERS (a comma list of these names) changes the order or leaves providers out, for tests and
+ * comparisons: "ucx" runs a same-host communicator's collectives and point-to-point through the UCX algorithms. */
+#include "engine.h"
+
+#include <pthread.h>
+#include <string.h>
+
+static const t3d_provider_t *const all[] = {&t3d__provider_shm, &t3d__provider_nccl, &t3d__provider_ucx};
+#define NALL ((int)(sizeof all / sizeof all[0]))
+
+static const t3d_provider_t *chosen[NALL + 1];
+static pthread_once_t chosen_once = PTHREAD_ONCE_INIT;
+
+static void choose(void) {
+  const char *want = t3d__env_str("T3D_PROVIDERS", NULL);
+  int n = 0;
+  if (want == NULL) {
+    for (int i = 0; i < NALL; i++) chosen[n++] = all[i];
+    return;
+  }
+  const char *s = want;
+  while (*s != '\0' && n < NALL) {
+    size_t len = strcspn(s, ",");
+    int found = 0;
+    for (int i = 0; i < NALL; i++) {
+      if (strlen(all[i]->name) != len || strncmp(all[i]->name, s, len) != 0) continue;
+      found = 1;
+      int dup = 0;
+      for (int j = 0; j < n; j++) dup |= chosen[j] == all[i];
+      if (!dup) chosen[n++] = all[i];
+    }
+    if (!found) T3D_WARN("T3D_PROVIDERS=%s: ignoring '%.*s' (the providers are shm, nccl, ucx)", want, (int)len, s);
+    s += len + (s[len] == ',');
+  }
+}
+
+const t3d_provider_t *const *t3d__providers(void) {
+  pthread_once(&chosen_once, choose);
+  return chosen;
+}
+
+const t3d_provider_t *t3d__provider_for(const t3d_comm_t *comm, const t3d_request_t *req) {
+  for (const t3d_provider_t *const *p = t3d__providers(); *p != NULL; p++) {
+    if ((*p)->fits(comm, req)) return *p;
+  }
+  return NULL;
+}

@@ -1,0 +1,238 @@
+/* submit.c: how an operation enters the engine: its provider is chosen, then it is posted through the provider
+ * (point-to-point, CUDA), started on the caller's thread (a small collective on an idle engine, or a blocking call's
+ * whole collective), held in an open group, or queued for the progress thread. Groups are issued here too. */
+#include "engine.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* What every collective that finished on the caller's thread without error hands out: done, T3D_OK, never freed.
+ * One for all, so that such a call allocates nothing. */
+static t3d_request_t done_ok = {.done = 1, .refs = 1, .shared = 1, .result = T3D_OK, .prov = &t3d__provider_shm,
+                                .mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER, .source = -1};
+
+void t3d__enqueue(t3d_comm_t *comm, t3d_request_t *r) {
+  pthread_mutex_lock(&comm->mu);
+  r->next = NULL;
+  if (comm->q_tail != NULL) comm->q_tail->next = r;
+  else comm->q_head = r;
+  comm->q_tail = r;
+  pthread_cond_signal(&comm->cv);
+  pthread_mutex_unlock(&comm->mu);
+}
+
+static t3d_result_t no_provider(t3d_comm_t *comm, const t3d_request_t *r) {
+  return t3d__set_error(comm, T3D_ERR_UNSUPPORTED,
+                        "t3d: no provider can run %s of %s memory on rank %d of group '%s' (T3D_PROVIDERS leaves "
+                        "out the ones that could)", t3d__op_name(r->kind), r->memtype == T3D_MEM_CUDA ? "CUDA" : "host",
+                        comm->rank, comm->name);
+}
+
+/* Whether an idle engine may start r on the caller's thread (the provider checks the sizes). */
+static int may_start(t3d_comm_t *comm, const t3d_request_t *r) {
+  return r->prov->start_fits != NULL && comm->inline_max >= 0 && atomic_load(&comm->fatal) == 0 &&
+         r->prov->start_fits(comm, r);
+}
+
+/* A prepared request that start_inline could not keep (no memory): the call finishes here, waiting for late peers,
+ * and reports through its return value. */
+static t3d_result_t finish_unkept(t3d_comm_t *comm, t3d_exec_t *ex, t3d_request_t *r, t3d_result_t res,
+                                  t3d_request_t **out) {
+  if (res == T3D_IN_PROGRESS) res = t3d__execute(ex, r); /* r->resume is set: finishes the started operation */
+  if (res < 0) t3d__record_failure(comm, ex, res);
+  t3d__release_engine(comm);
+  free(r->arrays);
+  if (res < 0) return res;
+  *out = &done_ok;
+  return T3D_OK;
+}
+
+/* On the caller's thread, with the engine marked busy. r is on the heap (kept) or prepared on the caller's stack;
+ * the latter, finished without error, hands out done_ok, and is kept only when it failed or goes on. When peers are
+ * late the request goes to the head of the queue (ahead of anything other threads queued meanwhile: it was issued
+ * first) and the progress thread finishes it, so the call never waits for long; unless the call is blocking
+ * (T3D_FLAG_BLOCKING): then this thread finishes it. whole: a blocking call's collective that has no inline start,
+ * run from the beginning. */
+static t3d_result_t start_inline(t3d_comm_t *comm, t3d_request_t *r, int kept, int whole, t3d_request_t **out) {
+  t3d_exec_t ex;
+  t3d__exec_init(comm, r, &ex);
+  r->deadline_ns = ex.deadline_ns;
+  t3d_result_t res = whole ? t3d__execute(&ex, r) : r->prov->start(&ex, r);
+  if (res == T3D_IN_PROGRESS && (r->flags & T3D_FLAG_BLOCKING)) res = t3d__execute(&ex, r); /* r->resume is set */
+  if (!kept) {
+    if (res == T3D_OK) {
+      t3d__release_engine(comm);
+      free(r->arrays);
+      *out = &done_ok;
+      return T3D_OK;
+    }
+    t3d_request_t *k = t3d__request_keep(r);
+    if (k == NULL) return finish_unkept(comm, &ex, r, res, out);
+    r = k;
+  }
+  *out = r;
+  if (res != T3D_IN_PROGRESS) {
+    t3d__end_collective(comm, r, &ex, res, 1, 1);
+    return T3D_OK;
+  }
+  pthread_mutex_lock(&comm->mu);
+  r->next = comm->q_head;
+  comm->q_head = r;
+  if (comm->q_tail == NULL) comm->q_tail = r;
+  comm->busy = 0;
+  pthread_cond_signal(&comm->cv);
+  pthread_mutex_unlock(&comm->mu);
+  return T3D_OK;
+}
+
+t3d_result_t t3d__submit(t3d_comm_t *comm, t3d_request_t *r, t3d_request_t **out) {
+  int coll = t3d__is_collective(r->kind);
+  *out = r;
+  if (r->prov == NULL) r->prov = t3d__provider_for(comm, r);
+  if (r->prov == NULL) {
+    t3d_result_t res = no_provider(comm, r);
+    *out = NULL;
+    t3d__request_release(r); /* the engine's reference and the user's */
+    t3d__request_release(r);
+    return res;
+  }
+  pthread_mutex_lock(&comm->mu);
+  /* Sequence numbers are given at issue time: every rank issues collectives in the same order, so they agree. */
+  if (coll) r->seq = ++comm->coll_seq;
+  if (comm->group_depth > 0) {
+    pthread_mutex_unlock(&comm->mu);
+    r->next_child = NULL;
+    if (comm->group_tail != NULL) comm->group_tail->next_child = r;
+    else comm->group_head = r;
+    comm->group_tail = r;
+    return T3D_OK;
+  }
+  if (t3d__is_posted(r) && r->prov->post_on_caller) {
+    /* Posted here, on the caller's thread, in issue order (same-host point-to-point; NCCL enqueues on the caller's
+     * stream at once). An error is the call's, and no request is handed out. */
+    pthread_mutex_unlock(&comm->mu);
+    t3d_result_t res = r->prov->post(comm, &r, 1, 0);
+    if (res < 0) {
+      *out = NULL;
+      t3d__request_release(r);
+      return res;
+    }
+    return T3D_OK;
+  }
+  /* A small collective on an idle engine starts on the caller's thread: two thread hand-offs cost more than the
+   * operation. */
+  if (coll && comm->q_head == NULL && !comm->busy && may_start(comm, r)) {
+    comm->busy = 1;
+    pthread_mutex_unlock(&comm->mu);
+    return start_inline(comm, r, 1, 0, out);
+  }
+  pthread_mutex_unlock(&comm->mu);
+  t3d__enqueue(comm, r);
+  return T3D_OK;
+}
+
+t3d_result_t t3d__submit_prepared(t3d_comm_t *comm, t3d_request_t *tmp, t3d_request_t **out) {
+  tmp->prov = t3d__provider_for(comm, tmp);
+  if (tmp->prov == NULL) {
+    free(tmp->arrays);
+    return no_provider(comm, tmp);
+  }
+  if (tmp->prov->start != NULL && t3d__is_collective(tmp->kind)) {
+    pthread_mutex_lock(&comm->mu);
+    int idle = comm->group_depth == 0 && comm->q_head == NULL && !comm->busy;
+    int eligible = idle && may_start(comm, tmp);
+    /* A blocking call runs the whole of a collective too large to start inline here as well. */
+    int whole = idle && !eligible && (tmp->flags & T3D_FLAG_BLOCKING) && atomic_load(&comm->fatal) == 0;
+    if (eligible || whole) {
+      tmp->seq = ++comm->coll_seq;
+      comm->busy = 1;
+      pthread_mutex_unlock(&comm->mu);
+      if (tmp->prov->warm != NULL) tmp->prov->warm(comm, tmp);
+      return start_inline(comm, tmp, 0, whole, out);
+    }
+    pthread_mutex_unlock(&comm->mu);
+  }
+  t3d_request_t *r = t3d__request_keep(tmp);
+  if (r == NULL) {
+    free(tmp->arrays);
+    return t3d__set_error(comm, T3D_ERR_NO_MEMORY, "t3d: out of memory for a request");
+  }
+  return t3d__submit(comm, r, out);
+}
+
+/* ---------- groups ---------- */
+
+t3d_result_t t3d_group_start(t3d_comm_t *comm) {
+  if (comm == NULL) return T3D_ERR_INVALID_ARG;
+  comm->group_depth++;
+  return T3D_OK;
+}
+
+/* Children that their providers post on the caller's thread (same-host point-to-point, CUDA operations) are
+ * posted here, one provider at a time in the table's order; the others go to the engine as the group, whose
+ * progress thread issues point-to-point first. */
+t3d_result_t t3d_group_end(t3d_comm_t *comm, t3d_request_t **req) {
+  if (comm == NULL) return T3D_ERR_INVALID_ARG;
+  if (comm->group_depth == 0) {
+    return t3d__set_error(comm, T3D_ERR_INVALID_ARG, "t3d_group_end: no open group on rank %d of group '%s'",
+                          comm->rank, comm->name);
+  }
+  if (--comm->group_depth > 0) {
+    if (req != NULL) *req = NULL;
+    return T3D_OK;
+  }
+  t3d_request_t *g = NULL;
+  T3D_CHECK(t3d__request_new(comm, T3D_OP_GROUP, NULL, &g));
+  int n = 0, nposted = 0;
+  for (t3d_request_t *c = comm->group_head; c != NULL; c = c->next_child) {
+    n++;
+    nposted += t3d__is_posted(c) && c->prov->post_on_caller;
+  }
+  t3d_request_t **posted = nposted > 0 ? malloc(sizeof *posted * (size_t)nposted) : NULL;
+  t3d_request_t **batch = nposted > 0 ? malloc(sizeof *batch * (size_t)nposted) : NULL;
+  if (nposted > 0 && (posted == NULL || batch == NULL)) {
+    free(posted);
+    free(batch);
+    t3d__request_release(g);
+    t3d__request_release(g);
+    return t3d__set_error(comm, T3D_ERR_NO_MEMORY, "t3d_group_end: out of memory on rank %d", comm->rank);
+  }
+  t3d_request_t *c = comm->group_head, *next, **host_tail = &g->children;
+  comm->group_head = comm->group_tail = NULL;
+  nposted = 0;
+  for (; c != NULL; c = next) {
+    next = c->next_child;
+    c->next_child = NULL;
+    c->parent = g;
+    if (t3d__is_posted(c) && c->prov->post_on_caller) {
+      posted[nposted++] = c;
+    } else {
+      *host_tail = c;
+      host_tail = &c->next_child;
+    }
+  }
+  /* One extra count held by the engine until every child has been issued, so the group cannot complete early. */
+  atomic_init(&g->pending_children, n + 1);
+  for (const t3d_provider_t *const *p = t3d__providers(); *p != NULL && nposted > 0; p++) {
+    int k = 0;
+    for (int i = 0; i < nposted; i++) {
+      if (posted[i]->prov == *p) batch[k++] = posted[i];
+    }
+    if (k > 0) (*p)->post(comm, batch, k, 1);
+  }
+  free(posted);
+  free(batch);
+  if (g->children != NULL) {
+    t3d__enqueue(comm, g);
+  } else if (atomic_fetch_sub(&g->pending_children, 1) == 1) {
+    /* Nothing for the engine: every operation was posted, so the group is complete now. */
+    char *msg = g->errmsg;
+    g->errmsg = NULL;
+    t3d__request_complete(g, g->first_child_error, msg);
+    free(msg);
+  }
+  if (req != NULL) *req = g;
+  else t3d__request_release(g);
+  return T3D_OK;
+}

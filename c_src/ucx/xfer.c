@@ -1,0 +1,93 @@
+/* xfer.c: the point-to-point transfers the collective algorithms are built from: tagged sends and receives of one
+ * operation over the transport, and the wait for a set of them, which fails on abort, deadline or a lost peer with
+ * a message naming the ranks still awaited. */
+#include "ucx.h"
+
+#include <stdio.h>
+
+
+
+t3d_result_t t3d__isend(t3d_exec_t *ex, int peer, uint32_t step, const void *buf, size_t bytes, t3d_xfer_t *x) {
+  t3d_comm_t *c = ex->comm;
+  return c->tp->isend(c->tp_state, peer, t3d__coll_tag(ex->seq, step, ex->rank), buf, bytes, x);
+}
+
+t3d_result_t t3d__irecv(t3d_exec_t *ex, int peer, uint32_t step, void *buf, size_t bytes, t3d_xfer_t *x) {
+  t3d_comm_t *c = ex->comm;
+  x->truncate = 0;
+  return c->tp->irecv(c->tp_state, peer, t3d__coll_tag(ex->seq, step, peer), ~0ull, buf, bytes, x);
+}
+
+t3d_result_t t3d__waitall(t3d_exec_t *ex, t3d_xfer_t *xs, int n) {
+  t3d_comm_t *c = ex->comm;
+  t3d_result_t res = T3D_OK;
+  t3d_backoff_t b = {0};
+  for (;;) {
+    int pending = 0, lost = -1;
+    for (int i = 0; i < n; i++) {
+      if (atomic_load_explicit(&xs[i].done, memory_order_acquire)) continue;
+      pending++;
+      if (c->tp->peer_lost(c->tp_state, xs[i].peer)) lost = xs[i].peer;
+    }
+    if (pending == 0) break;
+    if (atomic_load(&c->aborted)) res = T3D_ERR_ABORTED;
+    else if (lost >= 0) res = T3D_ERR_PEER_LOST;
+    else if (t3d__now_ns() > ex->deadline_ns) res = T3D_ERR_TIMEOUT;
+    if (res != T3D_OK) break;
+    int progressed = c->tp->progress(c->tp_state);
+    t3d__ucx_p2p_poll(c);
+    if (progressed) t3d__backoff_reset(&b);
+    else t3d__backoff_wait(&b);
+  }
+  if (res != T3D_OK) {
+    /* Name the ranks we were still waiting for: that is what a user debugging a hang needs first. */
+    char ranks[256] = "";
+    size_t len = 0;
+    for (int i = 0; i < n; i++) {
+      if (atomic_load_explicit(&xs[i].done, memory_order_acquire)) continue;
+      int seen = 0;
+      for (int j = 0; j < i; j++) seen |= xs[j].peer == xs[i].peer && !atomic_load(&xs[j].done);
+      if (!seen && len + 16 < sizeof ranks) {
+        len += (size_t)snprintf(ranks + len, sizeof ranks - len, "%s%d", len ? ", " : "", xs[i].peer);
+      }
+    }
+    for (int i = 0; i < n; i++) c->tp->cancel(c->tp_state, &xs[i]);
+    snprintf(ex->error, sizeof ex->error,
+             "t3d: %s #%llu on group '%s' (rank %d of %d) %s (timeout %lld ms); still waiting for rank(s) %s", ex->opname,
+             (unsigned long long)ex->seq, c->name, ex->rank, ex->size, t3d__fail_verb(res), (long long)ex->timeout_ms,
+             ranks);
+  } else {
+    for (int i = 0; i < n; i++) {
+      if (xs[i].status != T3D_OK) {
+        res = xs[i].status;
+        /* A dying peer shows up as whatever the transport saw first; say what happened. */
+        if (res == T3D_ERR_TRANSPORT && c->tp->peer_lost(c->tp_state, xs[i].peer)) res = T3D_ERR_PEER_LOST;
+        snprintf(ex->error, sizeof ex->error, "t3d: %s #%llu on group '%s' (rank %d of %d): transfer with rank %d: %s",
+                 ex->opname, (unsigned long long)ex->seq, c->name, ex->rank, ex->size, xs[i].peer,
+                 t3d_result_string(res));
+        break;
+      }
+      if (xs[i].is_recv && xs[i].bytes != xs[i].posted) {
+        res = T3D_ERR_MISMATCH;
+        snprintf(ex->error, sizeof ex->error,
+                 "t3d: %s #%llu on group '%s' (rank %d of %d): rank %d sent %zu bytes where %zu were expected "
+                 "(ranks disagree on the size of the operation)",
+                 ex->opname, (unsigned long long)ex->seq, c->name, ex->rank, ex->size, xs[i].peer, xs[i].bytes,
+                 xs[i].posted);
+        break;
+      }
+    }
+  }
+  for (int i = 0; i < n; i++) c->tp->release(c->tp_state, &xs[i]);
+  return res;
+}
+
+t3d_result_t t3d__sendrecv(t3d_exec_t *ex, uint32_t step, int dst, const void *sbuf, size_t sbytes, int src,
+                           void *rbuf, size_t rbytes) {
+  t3d_xfer_t xs[2];
+  int n = 0;
+  if (src >= 0) T3D_CHECK(t3d__irecv(ex, src, step, rbuf, rbytes, &xs[n++]));
+  if (dst >= 0) T3D_CHECK(t3d__isend(ex, dst, step, sbuf, sbytes, &xs[n++]));
+  return t3d__waitall(ex, xs, n);
+}
+
