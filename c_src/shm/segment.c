@@ -1,18 +1,16 @@
-/* shm.c: the shared-memory segment of a communicator whose ranks share a host (create, publish, map, unlink at once,
- * unmap) and the flag protocol the collectives in coll.c are built from. */
+/* segment.c: the shared-memory segment of a communicator whose ranks share a host: its layout, its life (rank 0
+ * creates and sizes it, every rank maps it, rank 0 unlinks it as soon as all have, each unmaps it at fini), the
+ * agreement at init on what the group may use (point-to-point over the segment, the single-copy ranges) and the
+ * tuning read once then. */
 #include "shm.h"
 
 #include <errno.h>
 #include <fcntl.h>
-#include <limits.h>
-#include <linux/futex.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
-#include <sys/syscall.h>
-#include <sys/uio.h>
 #include <unistd.h>
 
 /* ---------- tuning ---------- */
@@ -48,71 +46,6 @@ static void layout(t3d_shm_t *s) {
   s->data = s->ctrl + round_up((size_t)s->size * T3D_SHM_CTRL_STRIDE, T3D_SHM_PAGE);
   s->small = s->data + (size_t)s->size * 2 * s->half;
   s->p2p_region = s->base + data_end(s->size, s->half);
-}
-
-/* Point-to-point reads a peer's buffer with process_vm_readv (cross-memory attach), which a seccomp filter, the Yama
- * LSM or differing users can forbid. Each rank checks that it can read this word in another rank's process. */
-static const uint64_t cma_probe_word = T3D_SHM_MAGIC;
-
-static int cma_works(int pid, unsigned long long addr) {
-  if (pid == (int)getpid()) return 1;
-  uint64_t got = 0;
-  struct iovec local = {&got, sizeof got}, remote = {(void *)(uintptr_t)addr, sizeof got};
-  return process_vm_readv(pid, &local, 1, &remote, 1, 0) == (ssize_t)sizeof got && got == T3D_SHM_MAGIC;
-}
-
-/* What this rank can do with rank pid's memory: bit 0, read it (cross-memory attach works); bit 1, also run
- * point-to-point over shared memory (T3D_SHM_P2P, default 1). */
-#define PROBE_CMA 1
-#define PROBE_P2P 2
-static int probe_bits(int pid, unsigned long long addr) {
-  if (!cma_works(pid, addr)) return 0;
-  return PROBE_CMA | (t3d__env_int("T3D_SHM_P2P", 1) != 0 ? PROBE_P2P : 0);
-}
-
-int t3d__shm_cma_read(int self_pid, int pid, void *dst, uint64_t addr, size_t len) {
-  if (pid == self_pid) { /* ranks of one process (threads): the buffer is in this address space */
-    memcpy(dst, (const void *)(uintptr_t)addr, len);
-    return 0;
-  }
-  size_t done = 0;
-  while (done < len) {
-    struct iovec local = {(char *)dst + done, len - done};
-    struct iovec remote = {(void *)(uintptr_t)(addr + done), len - done};
-    ssize_t got = process_vm_readv(pid, &local, 1, &remote, 1, 0);
-    if (got < 0 && errno == EINTR) continue;
-    if (got <= 0) return got < 0 ? errno : EIO;
-    done += (size_t)got;
-  }
-  return 0;
-}
-
-/* Rank 0's choice of the single-copy ranges for the group (cma: every rank can read the others' memory).
- * T3D_SHM_DIRECT_BYTES / T3D_SHM_DIRECT_MAX_BYTES, when set, give both ranges. Otherwise: blocks of 16 KiB to
- * 8 MiB when each rank has a core (2 ranks: 32-64 KiB allgather and alltoall 2x faster than through the segment,
- * 4 KiB blocks even). With more ranks than cores, where copies are not what bounds a collective,
- * allgather keeps the segment (8 ranks on 2 cores: up to 1.5x slower with single copy, since each block is read by
- * n - 1 readers from the owner's process instead of from the cached segment). alltoall reads each block once, and
- * single copy halves its bytes: it wins there from 32 KiB blocks for as long as all n * n blocks together stay
- * within 32 MiB, past which the kernel's copy (no non-temporal stores) loses (measured, oversubscribed 2 cores:
- * 8 ranks 1.4-1.5x faster for 32-512 KiB blocks, even at 1 MiB, slower at 2 MiB; 4 ranks faster up to 2 MiB; and
- * 2 ranks with a core each lose past 8 MiB: the same 32 MiB). docs/architecture.md, "Single copy". */
-static void direct_ranges(t3d_shm_t *s, int n, int cma) {
-  int64_t lo = t3d__env_int("T3D_SHM_DIRECT_BYTES", T3D_SHM_DIRECT_MIN_DEFAULT);
-  int64_t hi = t3d__env_int("T3D_SHM_DIRECT_MAX_BYTES", T3D_SHM_DIRECT_MAX_DEFAULT);
-  int asked = t3d__env_str("T3D_SHM_DIRECT_BYTES", NULL) != NULL;
-  int over = t3d__oversubscribed();
-  int direct = cma && (asked || !over) && lo > 0 && hi >= lo;
-  s->direct_min = direct ? (size_t)lo : 0;
-  s->direct_max = direct ? (size_t)hi : 0;
-  s->a2a_direct_min = s->direct_min;
-  s->a2a_direct_max = s->direct_max;
-  if (cma && over && !asked && n > 1) {
-    size_t amax = T3D_SHM_A2A_DIRECT_TOTAL / ((size_t)n * (size_t)n);
-    int on = amax >= T3D_SHM_A2A_DIRECT_MIN_OVERSUBSCRIBED;
-    s->a2a_direct_min = on ? T3D_SHM_A2A_DIRECT_MIN_OVERSUBSCRIBED : 0;
-    s->a2a_direct_max = on ? amax : 0;
-  }
 }
 
 /* Rank 0: creates, sizes and maps the segment. On failure writes the reason into err. */
@@ -230,12 +163,11 @@ static void read_tuning(t3d_shm_t *s) {
 }
 
 /* "name pid probe", or "!reason" when rank 0 failed. Each other rank answers "mapped/<rank>" with "1 bits pid probe"
- * (bits: probe_bits of rank 0's probe word) or "!reason"; rank 0 unlinks the name once all answered and publishes
- * "ready": "1 p2p min max" (p2p: every rank, rank 0 reading rank 1's word, can run point-to-point over the
- * segment; min, max: the block sizes for which collectives read peers' buffers, 0 0 unless every rank can) or
- * "!reason". So a
- * failure anywhere fails init on every rank, all ranks agree on how point-to-point and the collectives go, and no
- * file outlives init. */
+ * (bits: t3d__shm_probe_bits of rank 0's probe word, direct.c) or "!reason"; rank 0 unlinks the name once all
+ * answered and publishes "ready": "1 p2p min max" (p2p: every rank, rank 0 reading rank 1's word, can run
+ * point-to-point over the segment; min, max: the block sizes for which collectives read peers' buffers, 0 0 unless
+ * every rank can) or "!reason". So a failure anywhere fails init on every rank, all ranks agree on how
+ * point-to-point and the collectives go, and no file outlives init. */
 t3d_result_t t3d__shm_init(t3d_comm_t *comm, t3d_shm_t **out) {
   *out = NULL;
   t3d_shm_t *s = calloc(1, sizeof *s);
@@ -262,7 +194,7 @@ t3d_result_t t3d__shm_init(t3d_comm_t *comm, t3d_shm_t **out) {
     char msg[720];
     if (cres == T3D_OK) {
       snprintf(msg, sizeof msg, "%s %d %llx", s->name, (int)getpid(),
-               (unsigned long long)(uintptr_t)&cma_probe_word);
+               (unsigned long long)(uintptr_t)&t3d__shm_cma_probe_word);
     }
     else snprintf(msg, sizeof msg, "!%s", err);
     res = t3d__store_set(comm, "shm/name", msg, strlen(msg) + 1);
@@ -276,7 +208,8 @@ t3d_result_t t3d__shm_init(t3d_comm_t *comm, t3d_shm_t **out) {
     }
     t3d_result_t peers = T3D_OK;
     /* A group of one gets a segment only without UCX (comm.c), and then needs its point-to-point. */
-    int all_bits = comm->size > 1 ? PROBE_CMA | PROBE_P2P : probe_bits(s->pid, (uintptr_t)&cma_probe_word);
+    int all_bits = comm->size > 1 ? T3D_SHM_PROBE_CMA | T3D_SHM_PROBE_P2P
+                                  : t3d__shm_probe_bits(s->pid, (uintptr_t)&t3d__shm_cma_probe_word);
     for (int p = 1; p < comm->size && peers == T3D_OK; p++) {
       snprintf(key, sizeof key, "shm/mapped/%d", p);
       peers = t3d__store_get(comm, key, &v, &len);
@@ -284,7 +217,7 @@ t3d_result_t t3d__shm_init(t3d_comm_t *comm, t3d_shm_t **out) {
       unsigned long long addr = 0;
       if (peers == T3D_OK && len > 0 && ((char *)v)[len - 1] == '\0' &&
           sscanf((char *)v, "1 %d %d %llx", &bits, &pid, &addr) == 3) {
-        all_bits &= bits & (p != 1 ? PROBE_CMA | PROBE_P2P : probe_bits(pid, addr));
+        all_bits &= bits & (p != 1 ? T3D_SHM_PROBE_CMA | T3D_SHM_PROBE_P2P : t3d__shm_probe_bits(pid, addr));
       } else if (peers == T3D_OK && (len == 0 || ((char *)v)[0] == '!')) {
         snprintf(err, sizeof err, "rank %d could not map the segment: %.*s", p, (int)(len > 1 ? len - 2 : 0),
                  len > 1 ? (char *)v + 1 : "");
@@ -298,8 +231,8 @@ t3d_result_t t3d__shm_init(t3d_comm_t *comm, t3d_shm_t **out) {
       v = NULL;
     }
     shm_unlink(s->name);
-    s->p2p_ok = (all_bits & PROBE_P2P) != 0;
-    direct_ranges(s, comm->size, (all_bits & PROBE_CMA) != 0);
+    s->p2p_ok = (all_bits & T3D_SHM_PROBE_P2P) != 0;
+    t3d__shm_direct_ranges(s, comm->size, (all_bits & T3D_SHM_PROBE_CMA) != 0);
     if (peers == T3D_OK)
       snprintf(msg, sizeof msg, "1 %d %zu %zu %zu %zu", s->p2p_ok, s->direct_min, s->direct_max, s->a2a_direct_min,
                s->a2a_direct_max);
@@ -326,8 +259,8 @@ t3d_result_t t3d__shm_init(t3d_comm_t *comm, t3d_shm_t **out) {
     t3d_result_t ares = attach_segment(s, err, sizeof err);
     char msg[720];
     if (ares == T3D_OK) {
-      snprintf(msg, sizeof msg, "1 %d %d %llx", probe_bits(pid0, addr0), (int)getpid(),
-               (unsigned long long)(uintptr_t)&cma_probe_word);
+      snprintf(msg, sizeof msg, "1 %d %d %llx", t3d__shm_probe_bits(pid0, addr0), (int)getpid(),
+               (unsigned long long)(uintptr_t)&t3d__shm_cma_probe_word);
     } else {
       snprintf(msg, sizeof msg, "!%s", err);
     }
@@ -379,203 +312,3 @@ void t3d__shm_fini(t3d_shm_t *s) {
   free(s);
 }
 
-/* ---------- protocol ---------- */
-
-/* A step in region h (a half or a small slot), whose last use ends at *free_at. */
-static void step_begin(t3d_shm_t *s, int nphases, int h, uint64_t *free_at, t3d_shm_step_t *st) {
-  st->h = h;
-  st->base = s->phase;
-  st->first = 0;
-  st->need = *free_at;
-  s->phase += (uint64_t)nphases;
-  *free_at = s->phase;
-}
-
-void t3d__shm_step_begin(t3d_shm_t *s, int nphases, t3d_shm_step_t *st) {
-  t3d__shm_settle(s);
-  int h = (int)(s->step++ & 1);
-  step_begin(s, nphases, h, &s->free_at[h], st);
-}
-
-void t3d__shm_step_begin_small(t3d_shm_t *s, int nphases, t3d_shm_step_t *st) {
-  t3d__shm_settle(s);
-  int j = (int)(s->small_steps++ % T3D_SHM_SMALL_SLOTS);
-  step_begin(s, nphases, 2 + j, &s->free_small[j], st);
-}
-
-int t3d__shm_all_past(t3d_shm_t *s, uint64_t need) {
-  if (s->seen_all >= need) return 1;
-  for (int p = 0; p < s->size; p++) {
-    if (p != s->rank && atomic_load_explicit(t3d__shm_flag(s, p), memory_order_acquire) < need) return 0;
-  }
-  s->seen_all = need;
-  return 1;
-}
-
-t3d_result_t t3d__shm_step_acquire(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step_t *st) {
-  if (s->seen_all >= st->need) return T3D_OK;
-  return t3d__shm_wait(s, ex, -1, st->need);
-}
-
-/* ---------- blocking on a peer's flag ----------
- * The futex word is the low half of the 64-bit flag (x86-64 is little-endian). Shared, not private: the segment is
- * mapped by several processes. */
-_Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "the futex word is the flag's low half");
-
-void t3d__shm_wake(t3d_shm_t *s) {
-  syscall(SYS_futex, (void *)t3d__shm_flag(s, s->rank), FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
-}
-
-void t3d__shm_sleep(t3d_shm_t *s, int p, uint64_t target, uint64_t max_ns) {
-  _Atomic uint32_t *sleepers = t3d__shm_sleepers(s, p);
-  t3d__shm_settle(s);
-  if (s->cpu_aware) atomic_store_explicit(t3d__shm_cpu(s, s->rank), 0u, memory_order_relaxed);
-  atomic_fetch_add_explicit(sleepers, 1, memory_order_seq_cst);
-  uint64_t v = atomic_load_explicit(t3d__shm_flag(s, p), memory_order_seq_cst);
-  if (v < target) {
-    struct timespec ts = {(time_t)(max_ns / 1000000000u), (long)(max_ns % 1000000000u)};
-    /* Returns at once if the word changed meanwhile (EAGAIN); a wake or the timeout end it otherwise. */
-    syscall(SYS_futex, (void *)t3d__shm_flag(s, p), FUTEX_WAIT, (uint32_t)v, &ts, NULL, 0);
-  }
-  atomic_fetch_sub_explicit(sleepers, 1, memory_order_relaxed);
-  t3d__shm_note_cpu(s);
-}
-
-void t3d__shm_backoff(t3d_shm_t *s, t3d_backoff_t *b, int p, uint64_t target, uint64_t until) {
-  int running = 0;
-  if (s->cpu_aware) {
-    if (b->since == 0) t3d__shm_note_cpu(s); /* starting to wait: this rank runs here now */
-    uint32_t cpu = atomic_load_explicit(t3d__shm_cpu(s, p), memory_order_relaxed);
-    running = cpu != 0 && cpu != (uint32_t)sched_getcpu() + 1u;
-  }
-  /* A rank waiting here may hold up point-to-point that only this process can move: its own sends queued behind a
-   * full ring, and the slots of peers' rings that only its scan frees. */
-  if (s->p2p != NULL && t3d__shm_p2p_progress(s->p2p) > 0) t3d__backoff_reset(b);
-  if (!(running ? t3d__backoff_poll_running(b) : t3d__backoff_poll(b))) return;
-  uint64_t max_ns = 1000000;
-  if (until != 0) {
-    uint64_t now = t3d__now_ns();
-    if (now >= until) return;
-    if (until - now < max_ns) max_ns = until - now;
-  }
-  t3d__shm_sleep(s, p, target, max_ns);
-}
-
-/* "rank(s) 1, 3" for the ranks among [lo, hi) below target. */
-static void describe_missing(t3d_shm_t *s, int lo, int hi, uint64_t target, char *buf, size_t len) {
-  size_t used = (size_t)snprintf(buf, len, "rank(s) ");
-  int listed = 0;
-  for (int p = lo; p < hi && used + 24 < len; p++) {
-    if (p == s->rank) continue;
-    if (atomic_load_explicit(t3d__shm_flag(s, p), memory_order_acquire) >= target) continue;
-    used += (size_t)snprintf(buf + used, len - used, "%s%d", listed++ ? ", " : "", p);
-  }
-  if (used + 24 >= len) snprintf(buf + used, len - used, ", ...");
-  snprintf(buf + strlen(buf), len - strlen(buf), " (shared memory)");
-}
-
-static t3d_result_t fail_wait(t3d_shm_t *s, t3d_exec_t *ex, int lo, int hi, uint64_t target) {
-  char names[256];
-  describe_missing(s, lo, hi, target, names, sizeof names);
-  return t3d__exec_check(ex, names);
-}
-
-/* Whether rank p has reached target: its info line's seq equals a->word, or its flag. With a line to watch, the
- * flag is read only when `flag_too` (its fallback: a peer that posts without setting seq, e.g. one that runs another
- * operation): every read of the flag's line is one more line the peer must take back when it next posts. */
-static int arrived(t3d_shm_t *s, int p, uint64_t target, const t3d_shm_arrival_t *a, int flag_too) {
-  if (a != NULL) {
-    if (atomic_load_explicit(&t3d__shm_info(s, p, a->h)->seq, memory_order_acquire) == a->word) return 1;
-    if (!flag_too) return 0;
-  }
-  return atomic_load_explicit(t3d__shm_flag(s, p), memory_order_acquire) >= target;
-}
-
-t3d_result_t t3d__shm_wait_until(t3d_shm_t *s, t3d_exec_t *ex, int who, uint64_t target, uint64_t until) {
-  return t3d__shm_wait_line(s, ex, who, target, until, NULL);
-}
-
-t3d_result_t t3d__shm_wait_line(t3d_shm_t *s, t3d_exec_t *ex, int who, uint64_t target, uint64_t until,
-                                const t3d_shm_arrival_t *a) {
-  int lo = who < 0 ? 0 : who, hi = who < 0 ? s->size : who + 1;
-  int next = lo; /* flags only grow: a rank seen at target stays there */
-  t3d_backoff_t b = {0};
-  for (unsigned it = 1;; it++) {
-    int before = next;
-    while (next < hi && (next == s->rank || arrived(s, next, target, a, (it & 15) == 0))) next++;
-    if (next == hi) break;
-    if (next != before) t3d__backoff_reset(&b);
-    if ((it & 15) == 0 && t3d__exec_check(ex, "") != T3D_OK) return fail_wait(s, ex, lo, hi, target);
-    /* Every 8th round: a clock read costs a fair share of a sub-microsecond collective. */
-    if (until != 0 && (it & 7) == 0 && t3d__now_ns() >= until) return T3D_IN_PROGRESS;
-    t3d__shm_backoff(s, &b, next, target, until);
-    /* In the spin phase, watch the awaited rank in a tight loop before the next round: a round (clock read, CPU
-     * check, point-to-point pass, 8 pauses) takes ~150 ns, which a sub-microsecond collective would wait out. */
-    for (int k = 0; b.spun && k < 32 && !arrived(s, next, target, a, 0); k++) __builtin_ia32_pause();
-  }
-  if (who < 0 && target > s->seen_all) s->seen_all = target;
-  return T3D_OK;
-}
-
-t3d_result_t t3d__shm_wait_each(t3d_shm_t *s, t3d_exec_t *ex, uint64_t target, t3d_shm_peer_fn fn, void *arg) {
-  int n = s->size, cnt = 0;
-  for (int i = 1; i < n; i++) s->pending[cnt++] = (s->rank + i) % n;
-  t3d_backoff_t b = {0};
-  for (unsigned it = 1; cnt > 0; it++) {
-    int progressed = 0;
-    for (int i = 0; i < cnt;) {
-      int p = s->pending[i];
-      if (atomic_load_explicit(t3d__shm_flag(s, p), memory_order_acquire) >= target) {
-        fn(arg, p);
-        /* Keep the order (nearest rank first) for the ones left. */
-        memmove(s->pending + i, s->pending + i + 1, sizeof(int) * (size_t)(cnt - i - 1));
-        cnt--;
-        progressed = 1;
-      } else {
-        i++;
-      }
-    }
-    if (cnt == 0) break;
-    if (progressed) {
-      t3d__backoff_reset(&b);
-      continue;
-    }
-    if ((it & 15) == 0 && t3d__exec_check(ex, "") != T3D_OK) return fail_wait(s, ex, 0, n, target);
-    t3d__shm_backoff(s, &b, s->pending[0], target, 0);
-  }
-  if (target > s->seen_all) s->seen_all = target;
-  return T3D_OK;
-}
-
-void t3d__shm_put_info(t3d_shm_t *s, const t3d_shm_step_t *st, int kind, uint64_t sig, uint64_t aux) {
-  t3d_shm_info_t *in = t3d__shm_info(s, s->rank, st->h);
-  in->kind = (uint64_t)kind;
-  in->sig = sig;
-  in->aux = aux;
-  in->addr = 0;
-  in->pid = s->pid;
-}
-
-static const char *kind_name(uint64_t k) {
-  switch (k) {
-    case T3D_OP_ALLREDUCE: return "allreduce";
-    case T3D_OP_BROADCAST: return "broadcast";
-    case T3D_OP_REDUCE: return "reduce";
-    case T3D_OP_ALLGATHERV: return "allgather";
-    case T3D_OP_REDUCE_SCATTERV: return "reduce_scatter";
-    case T3D_OP_ALLTOALLV: return "alltoall";
-    default: return "another operation";
-  }
-}
-
-t3d_result_t t3d__shm_check_info(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step_t *st, int peer, int kind,
-                                 uint64_t sig) {
-  const t3d_shm_info_t *in = t3d__shm_info(s, peer, st->h);
-  if (in->kind == (uint64_t)kind && in->sig == sig) return T3D_OK;
-  snprintf(ex->error, sizeof ex->error,
-           "t3d: %s #%llu on group '%s' (rank %d of %d): rank %d runs %s of %llu bytes where this rank runs %s of "
-           "%llu bytes (ranks disagree on the operation or its size)",
-           ex->opname, (unsigned long long)ex->seq, ex->comm->name, ex->rank, ex->size, peer, kind_name(in->kind),
-           (unsigned long long)in->sig, kind_name((uint64_t)kind), (unsigned long long)sig);
-  return T3D_ERR_MISMATCH;
-}
