@@ -1,5 +1,8 @@
-/* shm.h: what the files of c_src/shm share: the layout of a communicator's shared-memory segment, the per-rank
- * state, the flag protocol (steps, phases, waits) and the copy / reduce kernels. */
+/* shm.h: what the files of c_src/shm share: the layout of a communicator's shared-memory segment (segment.c makes,
+ * maps and unmaps it), the per-rank state, the flag protocol (sync.c: steps, phases, waits), single copy (direct.c:
+ * reading a peer's memory), point-to-point (p2p.c) and the copy / reduce loops (copy.c). The collectives, one file
+ * each (allreduce.c for allreduce and reduce, broadcast.c, allgather.c, reduce_scatter.c, alltoall.c, barrier.c),
+ * are built from these and declared in t3d_internal.h. */
 #ifndef T3D_SHM_H
 #define T3D_SHM_H
 
@@ -9,6 +12,7 @@
 #include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 /* Segment layout (every part 4 KiB aligned):
  *   header   one page: magic, rank count, bytes per half (rank 0 decides; the others adopt it)
@@ -56,7 +60,7 @@ typedef struct t3d_shm_info {
 } t3d_shm_info_t;
 _Static_assert(sizeof(t3d_shm_info_t) == 64, "an info line is one cache line");
 /* A one-shot allreduce / reduce of at most this many bytes writes its vector into the info line in place of aux,
- * addr, pid and spare (shm_coll.c). */
+ * addr, pid and spare (allreduce.c). */
 #define T3D_SHM_INLINE_DATA (offsetof(t3d_shm_info_t, seq) - offsetof(t3d_shm_info_t, aux))
 
 struct t3d_shm {
@@ -84,7 +88,7 @@ struct t3d_shm {
   unsigned p2p_slots;
   int p2p_ok;         /* every rank can use the region (cross-memory attach works, T3D_SHM_P2P is not 0) */
   size_t direct_min;  /* allgatherv blocks of direct_min to direct_max bytes are read straight from the owner's
-                       * buffer (shm_coll.c, "single copy"); 0: never (rank 0's choice for all) */
+                       * buffer (direct.c, "single copy"); 0: never (rank 0's choice for all) */
   size_t direct_max;
   size_t a2a_direct_min; /* the same for alltoallv blocks, whose range differs when oversubscribed */
   size_t a2a_direct_max;
@@ -131,7 +135,18 @@ static inline char *t3d__shm_half(const t3d_shm_t *s, int p, int h) {
   return s->small + ((size_t)p * T3D_SHM_SMALL_SLOTS + (size_t)(h - 2)) * T3D_SHM_SMALL_BYTES;
 }
 
-/* ---------- protocol (shm.c) ----------
+/* ---------- helpers of the collectives ---------- */
+static inline size_t t3d__shm_min_sz(size_t a, size_t b) { return a < b ? a : b; }
+/* PREFETCHW: fetch the line for writing (the CPU flag "3dnowprefetch"; a NOP hint where absent). */
+static inline void t3d__shm_prefetch_write(const void *p) {
+#if defined(__x86_64__)
+  __asm__ volatile("prefetchw (%0)" : : "r"(p));
+#else
+  __builtin_prefetch(p, 1);
+#endif
+}
+
+/* ---------- protocol (sync.c) ----------
  * Each rank has one monotonically increasing flag. An operation is a sequence of steps; a step hands out a few
  * consecutive phase values (base + 1 .. base + k) and a rank stores base + j in its flag (release) once it has done
  * everything phase j of the step asks of it. Readers wait (acquire) until a peer's flag reaches the phase they need.
@@ -149,6 +164,9 @@ void t3d__shm_step_begin(t3d_shm_t *s, int nphases, t3d_shm_step_t *st);
 void t3d__shm_step_begin_small(t3d_shm_t *s, int nphases, t3d_shm_step_t *st);
 /* Whether every other rank has reached phase `need` by now (no waiting). */
 int t3d__shm_all_past(t3d_shm_t *s, uint64_t need);
+/* Whether the half the next step uses is free now (every rank past its previous use): the inline starts never wait
+ * for it. */
+static inline int t3d__shm_next_half_free(t3d_shm_t *s) { return t3d__shm_all_past(s, s->free_at[s->step & 1]); }
 /* Waits until half st->h may be written (every rank past its previous use). */
 t3d_result_t t3d__shm_step_acquire(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step_t *st);
 void t3d__shm_wake(t3d_shm_t *s);
@@ -204,16 +222,26 @@ void t3d__shm_put_info(t3d_shm_t *s, const t3d_shm_step_t *st, int kind, uint64_
 /* After waiting for peer's first phase: T3D_ERR_MISMATCH (with ex->error) unless it runs the same operation. */
 t3d_result_t t3d__shm_check_info(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step_t *st, int peer, int kind,
                                  uint64_t sig);
+/* t3d__shm_check_info for every other rank. */
+t3d_result_t t3d__shm_check_all_info(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step_t *st, int kind,
+                                     uint64_t sig);
 
 /* Sets the address in this rank's info line for the half of st (after t3d__shm_put_info). */
 static inline void t3d__shm_put_addr(t3d_shm_t *s, const t3d_shm_step_t *st, const void *addr) {
   t3d__shm_info(s, s->rank, st->h)->addr = (uint64_t)(uintptr_t)addr;
 }
 
-/* ---------- single copy ----------
+/* ---------- single copy (direct.c) ----------
  * Copies len bytes at addr in process pid into dst: memcpy when pid is self_pid (ranks that are threads of one
  * process), else process_vm_readv (cross-memory attach). 0 or an errno. */
 int t3d__shm_cma_read(int self_pid, int pid, void *dst, uint64_t addr, size_t len);
+/* The word a rank reads in another rank's process at init to learn whether it may (its address travels with the
+ * segment's name, segment.c), and what the reader may then do with that process's memory: T3D_SHM_PROBE_CMA, read
+ * it; T3D_SHM_PROBE_P2P, also run point-to-point over shared memory. */
+extern const uint64_t t3d__shm_cma_probe_word;
+#define T3D_SHM_PROBE_CMA 1
+#define T3D_SHM_PROBE_P2P 2
+int t3d__shm_probe_bits(int pid, unsigned long long addr);
 /* Defaults of T3D_SHM_DIRECT_BYTES and T3D_SHM_DIRECT_MAX_BYTES (docs/architecture.md, "Single copy"). */
 #define T3D_SHM_DIRECT_MIN_DEFAULT (16 * 1024)
 #define T3D_SHM_DIRECT_MAX_DEFAULT (8 * 1024 * 1024)
@@ -221,6 +249,28 @@ int t3d__shm_cma_read(int self_pid, int pid, void *dst, uint64_t addr, size_t le
  * T3D_SHM_A2A_DIRECT_TOTAL (allgather: never). */
 #define T3D_SHM_A2A_DIRECT_MIN_OVERSUBSCRIBED (32 * 1024)
 #define T3D_SHM_A2A_DIRECT_TOTAL (32 * 1024 * 1024)
+/* Rank 0's choice of the single-copy ranges for the group of n ranks (cma: every rank can read the others'
+ * memory), into s->direct_min .. s->a2a_direct_max. */
+void t3d__shm_direct_ranges(t3d_shm_t *s, int n, int cma);
+/* Whether an allgatherv (alltoallv) block of `block` bytes is read straight from its owner. */
+int t3d__shm_use_direct(const t3d_shm_t *s, size_t block);
+int t3d__shm_use_a2a_direct(const t3d_shm_t *s, size_t block);
+/* Copies len bytes at addr in rank p's process (pid) into dst; on failure ex->error says what went wrong. */
+t3d_result_t t3d__shm_read_peer(t3d_shm_t *s, t3d_exec_t *ex, int p, int pid, void *dst, uint64_t addr,
+                                size_t len);
+/* The end of a single-copy step on this rank, whose reads ended with res: posts `done` (also after a failed read:
+ * the owners then need not wait for their deadline), then waits until every rank has posted it, so that nobody
+ * reads this rank's buffer any more when the call returns, even a failed one. The first error wins. Here rather
+ * than in direct.c, which would then call sync.c, whose waits call p2p.c, which reads through direct.c. */
+static inline t3d_result_t t3d__shm_direct_end(t3d_shm_t *s, t3d_exec_t *ex, uint64_t done, t3d_result_t res) {
+  t3d__shm_post(s, done);
+  if (res == T3D_OK) return t3d__shm_wait(s, ex, -1, done);
+  char first[sizeof ex->error];
+  memcpy(first, ex->error, sizeof first);
+  (void)t3d__shm_wait(s, ex, -1, done);
+  memcpy(ex->error, first, sizeof first);
+  return res;
+}
 
 /* ---------- point-to-point (p2p.c) ---------- */
 #define T3D_SHM_P2P_RECORDS 256u
@@ -228,7 +278,7 @@ int t3d__shm_cma_read(int self_pid, int pid, void *dst, uint64_t addr, size_t le
 size_t t3d__shm_p2p_bytes(int n, size_t eager, unsigned slots);
 void t3d__shm_p2p_sizes(int n, size_t *eager, unsigned *slots);
 
-/* ---------- kernels (kernels.c) ---------- */
+/* ---------- copy and reduce loops (copy.c) ---------- */
 /* Nonzero when a non-temporal store path exists on this CPU (AVX-512F or AVX). */
 int t3d__shm_nt_available(void);
 /* memcpy, with non-temporal stores when nt (then ends with a store fence, so a flag published after it orders). */

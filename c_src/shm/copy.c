@@ -1,4 +1,4 @@
-/* kernels.c: the data movers of the shared-memory collectives: copies with optional non-temporal stores and an
+/* copy.c: the data movers of the shared-memory collectives: copies with optional non-temporal stores and an
  * n-source reduction (one pass over all sources; AVX-512 for float32 / float64 sum, tiles through t3d__reduce for
  * the rest). Chosen at run time from what the CPU has. */
 #include "shm.h"

@@ -1,0 +1,167 @@
+/* allgather.c: allgatherv over a communicator's shared-memory segment: every rank's block streams through its half
+ * a step at a time, double-buffered, and the others copy it out; or, for large blocks between processes that may
+ * read each other's memory, the others read it straight from the owner's buffer (single copy, direct.c). Also in
+ * one step in parts, for the inline path. */
+#include "shm.h"
+
+#include <string.h>
+
+/* Blocks are counts[p] * es bytes at displs[p] * es: the queued path passes bytes (es 1), the inline one the
+ * request's element counts. */
+typedef struct {
+  t3d_shm_t *s;
+  t3d_exec_t *ex;
+  const t3d_shm_step_t *st;
+  char *rb;
+  const size_t *counts, *displs;
+  size_t es, lo, total;
+  int nt, direct; /* direct: read the block from the owner's buffer (single copy) */
+  t3d_result_t res;
+} gather_ctx_t;
+
+static void gather_from(void *arg, int p) {
+  gather_ctx_t *c = arg;
+  size_t blk = c->counts[p] * c->es;
+  if (c->lo == 0 && c->res == T3D_OK) c->res = t3d__shm_check_info(c->s, c->ex, c->st, p, T3D_OP_ALLGATHERV, c->total);
+  if (c->res != T3D_OK || c->lo >= blk) return;
+  if (c->direct) {
+    const t3d_shm_info_t *in = t3d__shm_info(c->s, p, c->st->h);
+    c->res = t3d__shm_read_peer(c->s, c->ex, p, (int)in->pid, c->rb + c->displs[p] * c->es, in->addr, blk);
+    return;
+  }
+  t3d__shm_copy(c->rb + c->displs[p] * c->es + c->lo, t3d__shm_half(c->s, p, c->st->h),
+                t3d__shm_min_sz(c->s->half, blk - c->lo), c->nt);
+}
+
+static size_t gather_total(int n, const size_t *counts, size_t es, size_t *maxb) {
+  size_t total = 0;
+  *maxb = 0;
+  for (int p = 0; p < n; p++) {
+    total += counts[p] * es;
+    if (counts[p] * es > *maxb) *maxb = counts[p] * es;
+  }
+  return total;
+}
+
+/* In place (sendbuf NULL, equal to recvbuf, or already our block): the block is where it belongs. */
+static char *gather_own(t3d_shm_t *s, const void *sendbuf, void *recvbuf, size_t mine, size_t displ) {
+  char *own = (char *)recvbuf + displ;
+  if (sendbuf != NULL && sendbuf != recvbuf && (const char *)sendbuf != own && mine > 0) memmove(own, sendbuf, mine);
+  return own;
+}
+
+/* Step begun: writes this rank's piece [lo, lo + half) of its block into its half and posts phase 1. */
+static t3d_result_t gather_publish(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step_t *st, const char *own,
+                                   size_t mine, size_t lo, size_t total) {
+  if (lo == 0 || lo < mine) {
+    T3D_CHECK(t3d__shm_step_acquire(s, ex, st));
+    if (lo == 0) t3d__shm_put_info(s, st, T3D_OP_ALLGATHERV, total, 0);
+    if (lo < mine) memcpy(t3d__shm_half(s, s->rank, st->h), own + lo, t3d__shm_min_sz(s->half, mine - lo));
+  }
+  t3d__shm_post(s, st->base + 1);
+  return T3D_OK;
+}
+
+/* Copies every peer's piece as soon as it is there, then posts phase 2. */
+static t3d_result_t gather_collect(gather_ctx_t *c) {
+  T3D_CHECK(t3d__shm_wait_each(c->s, c->ex, c->st->base + 1, gather_from, c));
+  T3D_CHECK(c->res);
+  t3d__shm_post(c->s, c->st->base + 2);
+  return T3D_OK;
+}
+
+static gather_ctx_t gather_ctx(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step_t *st, void *recvbuf,
+                               const size_t *counts, const size_t *displs, size_t es, size_t lo, size_t total) {
+  gather_ctx_t c = {s, ex, st, recvbuf, counts, displs, es, lo, total, s->nt && total >= s->nt_min, 0, T3D_OK};
+  return c;
+}
+
+/* Single copy: one step in which every rank reads every other block from its owner, in two parts (the inline start
+ * runs the first on the caller's thread). Publish: say where this rank's block is and post; the peers read the
+ * input where it is while this rank copies it into place, unless it overlaps the output: then it is moved first
+ * and read from there. */
+static t3d_result_t gather_direct_publish(t3d_shm_t *s, t3d_exec_t *ex, t3d_shm_step_t *st, const void *sendbuf,
+                                          void *recvbuf, const size_t *counts, const size_t *displs, size_t es,
+                                          size_t total) {
+  size_t mine = counts[s->rank] * es, extent = 0;
+  for (int p = 0; p < s->size; p++) {
+    if ((displs[p] + counts[p]) * es > extent) extent = (displs[p] + counts[p]) * es;
+  }
+  int apart = sendbuf != NULL && sendbuf != recvbuf && !t3d__overlap(sendbuf, mine, recvbuf, extent);
+  const char *src = apart ? sendbuf : gather_own(s, sendbuf, recvbuf, mine, displs[s->rank] * es);
+  t3d__shm_step_begin(s, 2, st);
+  T3D_CHECK(t3d__shm_step_acquire(s, ex, st));
+  t3d__shm_put_info(s, st, T3D_OP_ALLGATHERV, total, 0);
+  t3d__shm_put_addr(s, st, src);
+  t3d__shm_post(s, st->base + 1);
+  if (apart && mine > 0) memcpy((char *)recvbuf + displs[s->rank] * es, sendbuf, mine);
+  return T3D_OK;
+}
+
+/* Collect: read every other block as soon as its owner has posted, then wait until every rank has read this
+ * rank's block (t3d__shm_direct_end). */
+static t3d_result_t gather_direct_collect(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step_t *st, void *recvbuf,
+                                          const size_t *counts, const size_t *displs, size_t es, size_t total) {
+  gather_ctx_t c = gather_ctx(s, ex, st, recvbuf, counts, displs, es, 0, total);
+  c.direct = 1;
+  T3D_CHECK(t3d__shm_wait_each(s, ex, st->base + 1, gather_from, &c));
+  return t3d__shm_direct_end(s, ex, st->base + 2, c.res);
+}
+
+t3d_result_t t3d__shm_allgatherv(t3d_exec_t *ex, const void *sendbuf, void *recvbuf, const size_t *bytes,
+                                 const size_t *displs_bytes) {
+  t3d_shm_t *s = t3d__exec_shm(ex);
+  size_t maxb, total = gather_total(s->size, bytes, 1, &maxb);
+  if (total == 0) return T3D_OK;
+  size_t mine = bytes[s->rank];
+  if (t3d__shm_use_direct(s, maxb)) {
+    t3d_shm_step_t st;
+    T3D_CHECK(gather_direct_publish(s, ex, &st, sendbuf, recvbuf, bytes, displs_bytes, 1, total));
+    return gather_direct_collect(s, ex, &st, recvbuf, bytes, displs_bytes, 1, total);
+  }
+  const char *own = gather_own(s, sendbuf, recvbuf, mine, displs_bytes[s->rank]);
+  for (size_t lo = 0; lo < maxb; lo += s->half) {
+    t3d_shm_step_t st;
+    t3d__shm_step_begin(s, 2, &st);
+    T3D_CHECK(gather_publish(s, ex, &st, own, mine, lo, total));
+    gather_ctx_t c = gather_ctx(s, ex, &st, recvbuf, bytes, displs_bytes, 1, lo, total);
+    T3D_CHECK(gather_collect(&c));
+  }
+  return T3D_OK;
+}
+
+/* An allgatherv whose blocks each fit one half or are read from their owners, in parts (one step of the loop
+ * above, or the single-copy step). */
+int t3d__shm_gather_fits(t3d_shm_t *s, size_t total_bytes, size_t max_block_bytes) {
+  return total_bytes > 0 && (max_block_bytes <= s->half || t3d__shm_use_direct(s, max_block_bytes)) &&
+         t3d__shm_next_half_free(s);
+}
+
+t3d_result_t t3d__shm_gather_start(t3d_exec_t *ex, const void *sendbuf, void *recvbuf, const size_t *counts,
+                                   const size_t *displs, size_t es, t3d_shm_resume_t *rs) {
+  t3d_shm_t *s = t3d__exec_shm(ex);
+  size_t maxb, total = gather_total(s->size, counts, es, &maxb);
+  t3d_shm_step_t st;
+  t3d_result_t res;
+  if (t3d__shm_use_direct(s, maxb)) {
+    res = gather_direct_publish(s, ex, &st, sendbuf, recvbuf, counts, displs, es, total);
+  } else {
+    size_t mine = counts[s->rank] * es;
+    const char *own = gather_own(s, sendbuf, recvbuf, mine, displs[s->rank] * es);
+    t3d__shm_step_begin(s, 2, &st);
+    res = gather_publish(s, ex, &st, own, mine, 0, total);
+  }
+  rs->h = st.h;
+  rs->base = st.base;
+  return res;
+}
+
+t3d_result_t t3d__shm_gather_finish(t3d_exec_t *ex, const t3d_shm_resume_t *rs, void *recvbuf, const size_t *counts,
+                                    const size_t *displs, size_t es) {
+  t3d_shm_t *s = t3d__exec_shm(ex);
+  size_t maxb, total = gather_total(s->size, counts, es, &maxb);
+  t3d_shm_step_t st = {rs->h, rs->base, 0, 1};
+  if (t3d__shm_use_direct(s, maxb)) return gather_direct_collect(s, ex, &st, recvbuf, counts, displs, es, total);
+  gather_ctx_t c = gather_ctx(s, ex, &st, recvbuf, counts, displs, es, 0, total);
+  return gather_collect(&c);
+}

@@ -1,0 +1,122 @@
+/* reduce_scatter.c: reduce_scatterv over a communicator's shared-memory segment. Step k carries piece k (P
+ * elements) of every block: rank p writes its piece for owner q at q * P of its half, and q folds the pieces of all
+ * ranks in rank order into its output; also in one step in parts, for the inline path. */
+#include "shm.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+/* Where a reduce_scatterv's blocks are and how the own block is read, set up by rs_layout. */
+typedef struct {
+  const size_t *counts;
+  size_t es, total, maxc, P;
+  int own_direct; /* the own block is folded straight from sendbuf (not copied into the half) */
+} rs_layout_t;
+
+/* Elements of each block one step carries: a line-aligned share of the half per owner. */
+static size_t rs_piece(const t3d_shm_t *s, size_t es) { return s->half / (size_t)s->size / 64 * 64 / es; }
+
+static void rs_layout(t3d_shm_t *s, const size_t *counts, t3d_dtype_t dt, int own_direct, rs_layout_t *l) {
+  l->counts = counts;
+  l->es = t3d_dtype_size(dt);
+  l->total = l->maxc = 0;
+  for (int q = 0; q < s->size; q++) {
+    s->offs[q] = l->total;
+    l->total += counts[q];
+    if (counts[q] > l->maxc) l->maxc = counts[q];
+  }
+  l->P = rs_piece(s, l->es);
+  l->own_direct = own_direct;
+}
+
+/* Step begun: writes piece [lo, lo + P) of every block into this rank's half and posts phase 1. */
+static t3d_result_t rs_publish(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step_t *st, const rs_layout_t *l,
+                               const char *sb, size_t lo) {
+  T3D_CHECK(t3d__shm_step_acquire(s, ex, st));
+  if (lo == 0) t3d__shm_put_info(s, st, T3D_OP_REDUCE_SCATTERV, l->total * l->es, 0);
+  char *half = t3d__shm_half(s, s->rank, st->h);
+  for (int q = 0; q < s->size; q++) {
+    if ((q == s->rank && l->own_direct) || lo >= l->counts[q]) continue;
+    memcpy(half + (size_t)q * l->P * l->es, sb + (s->offs[q] + lo) * l->es,
+           t3d__shm_min_sz(l->P, l->counts[q] - lo) * l->es);
+  }
+  t3d__shm_post(s, st->base + 1);
+  return T3D_OK;
+}
+
+/* Folds piece lo of this rank's block from every rank's half (when it has one) into rb + lo, then posts phase 2. */
+static t3d_result_t rs_fold(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step_t *st, const rs_layout_t *l,
+                            const char *sb, char *rb, size_t lo, t3d_dtype_t dt, t3d_redop_t op) {
+  int me = s->rank;
+  if (lo < l->counts[me]) {
+    T3D_CHECK(t3d__shm_wait(s, ex, -1, st->base + 1));
+    if (lo == 0) T3D_CHECK(t3d__shm_check_all_info(s, ex, st, T3D_OP_REDUCE_SCATTERV, l->total * l->es));
+    for (int p = 0; p < s->size; p++) {
+      s->srcs[p] = (p == me && l->own_direct) ? sb + (s->offs[me] + lo) * l->es
+                                               : t3d__shm_half(s, p, st->h) + (size_t)me * l->P * l->es;
+    }
+    t3d__shm_reduce_n(rb + lo * l->es, NULL, s->srcs, s->size, t3d__shm_min_sz(l->P, l->counts[me] - lo), dt, op, 0);
+  }
+  t3d__shm_post(s, st->base + 2);
+  return T3D_OK;
+}
+
+t3d_result_t t3d__shm_reduce_scatterv(t3d_exec_t *ex, const void *sendbuf, void *recvbuf, const size_t *counts,
+                                      t3d_dtype_t dt, t3d_redop_t op) {
+  t3d_shm_t *s = t3d__exec_shm(ex);
+  int me = s->rank;
+  size_t es = t3d_dtype_size(dt), total = 0;
+  for (int q = 0; q < s->size; q++) total += counts[q];
+  if (total == 0) return T3D_OK;
+  const char *sb = sendbuf;
+  char *rb = recvbuf, *scratch = NULL;
+  size_t mine = counts[me] * es, below = 0;
+  for (int q = 0; q < me; q++) below += counts[q];
+  /* Step k writes output [kP, (k+1)P) after reading every piece k: safe when the output is the input's start or
+   * the own block (what is overwritten was read at step k or before). Other overlaps go through scratch. */
+  int ov = t3d__overlap(sb, total * es, rb, mine);
+  rs_layout_t l;
+  rs_layout(s, counts, dt, !ov || rb == sb + below * es, &l);
+  if (ov && rb != sb && rb != sb + below * es) {
+    scratch = malloc(mine);
+    if (scratch == NULL) return T3D_ERR_NO_MEMORY;
+    rb = scratch;
+  }
+  t3d_result_t res = T3D_OK;
+  for (size_t lo = 0; lo < l.maxc; lo += l.P) {
+    t3d_shm_step_t st;
+    t3d__shm_step_begin(s, 2, &st);
+    T3D_CHECK_GOTO(rs_publish(s, ex, &st, &l, sb, lo), res, out);
+    T3D_CHECK_GOTO(rs_fold(s, ex, &st, &l, sb, rb, lo, dt, op), res, out);
+  }
+  if (scratch != NULL) memcpy(recvbuf, scratch, mine);
+out:
+  free(scratch);
+  return res;
+}
+
+/* A reduce_scatterv in one step, in parts, when the output does not overlap the input (no scratch). */
+int t3d__shm_rs_fits(t3d_shm_t *s, size_t total_bytes, size_t max_block_bytes, size_t es) {
+  return total_bytes > 0 && max_block_bytes <= rs_piece(s, es) * es && t3d__shm_next_half_free(s);
+}
+
+t3d_result_t t3d__shm_rs_start(t3d_exec_t *ex, const void *sendbuf, const size_t *counts, t3d_dtype_t dt,
+                               t3d_shm_resume_t *rs) {
+  t3d_shm_t *s = t3d__exec_shm(ex);
+  rs_layout_t l;
+  rs_layout(s, counts, dt, 1, &l);
+  t3d_shm_step_t st;
+  t3d__shm_step_begin(s, 2, &st);
+  rs->h = st.h;
+  rs->base = st.base;
+  return rs_publish(s, ex, &st, &l, sendbuf, 0);
+}
+
+t3d_result_t t3d__shm_rs_finish(t3d_exec_t *ex, const t3d_shm_resume_t *rs, const void *sendbuf, void *recvbuf,
+                                const size_t *counts, t3d_dtype_t dt, t3d_redop_t op) {
+  t3d_shm_t *s = t3d__exec_shm(ex);
+  rs_layout_t l;
+  rs_layout(s, counts, dt, 1, &l);
+  t3d_shm_step_t st = {rs->h, rs->base, 0, 1};
+  return rs_fold(s, ex, &st, &l, sendbuf, recvbuf, 0, dt, op);
+}

@@ -1,0 +1,234 @@
+/* sync.c: the flag protocol the shared-memory collectives are built from: steps and the phases they hand out, which
+ * half or small slot a step uses and when it may be written again, posting a phase, sleeping on a peer's flag and
+ * waking the sleepers on this rank's (futex), the waits (one rank, every rank, or each rank as it arrives; on flags
+ * or on the info lines of one-shot steps), and the info lines through which ranks check that they run the same
+ * operation. */
+#include "shm.h"
+
+#include <limits.h>
+#include <linux/futex.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+/* ---------- steps ---------- */
+
+/* A step in region h (a half or a small slot), whose last use ends at *free_at. */
+static void step_begin(t3d_shm_t *s, int nphases, int h, uint64_t *free_at, t3d_shm_step_t *st) {
+  st->h = h;
+  st->base = s->phase;
+  st->first = 0;
+  st->need = *free_at;
+  s->phase += (uint64_t)nphases;
+  *free_at = s->phase;
+}
+
+void t3d__shm_step_begin(t3d_shm_t *s, int nphases, t3d_shm_step_t *st) {
+  t3d__shm_settle(s);
+  int h = (int)(s->step++ & 1);
+  step_begin(s, nphases, h, &s->free_at[h], st);
+}
+
+void t3d__shm_step_begin_small(t3d_shm_t *s, int nphases, t3d_shm_step_t *st) {
+  t3d__shm_settle(s);
+  int j = (int)(s->small_steps++ % T3D_SHM_SMALL_SLOTS);
+  step_begin(s, nphases, 2 + j, &s->free_small[j], st);
+}
+
+int t3d__shm_all_past(t3d_shm_t *s, uint64_t need) {
+  if (s->seen_all >= need) return 1;
+  for (int p = 0; p < s->size; p++) {
+    if (p != s->rank && atomic_load_explicit(t3d__shm_flag(s, p), memory_order_acquire) < need) return 0;
+  }
+  s->seen_all = need;
+  return 1;
+}
+
+t3d_result_t t3d__shm_step_acquire(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step_t *st) {
+  if (s->seen_all >= st->need) return T3D_OK;
+  return t3d__shm_wait(s, ex, -1, st->need);
+}
+
+/* ---------- blocking on a peer's flag ----------
+ * The futex word is the low half of the 64-bit flag (x86-64 is little-endian). Shared, not private: the segment is
+ * mapped by several processes. */
+_Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "the futex word is the flag's low half");
+
+void t3d__shm_wake(t3d_shm_t *s) {
+  syscall(SYS_futex, (void *)t3d__shm_flag(s, s->rank), FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+}
+
+void t3d__shm_sleep(t3d_shm_t *s, int p, uint64_t target, uint64_t max_ns) {
+  _Atomic uint32_t *sleepers = t3d__shm_sleepers(s, p);
+  t3d__shm_settle(s);
+  if (s->cpu_aware) atomic_store_explicit(t3d__shm_cpu(s, s->rank), 0u, memory_order_relaxed);
+  atomic_fetch_add_explicit(sleepers, 1, memory_order_seq_cst);
+  uint64_t v = atomic_load_explicit(t3d__shm_flag(s, p), memory_order_seq_cst);
+  if (v < target) {
+    struct timespec ts = {(time_t)(max_ns / 1000000000u), (long)(max_ns % 1000000000u)};
+    /* Returns at once if the word changed meanwhile (EAGAIN); a wake or the timeout end it otherwise. */
+    syscall(SYS_futex, (void *)t3d__shm_flag(s, p), FUTEX_WAIT, (uint32_t)v, &ts, NULL, 0);
+  }
+  atomic_fetch_sub_explicit(sleepers, 1, memory_order_relaxed);
+  t3d__shm_note_cpu(s);
+}
+
+void t3d__shm_backoff(t3d_shm_t *s, t3d_backoff_t *b, int p, uint64_t target, uint64_t until) {
+  int running = 0;
+  if (s->cpu_aware) {
+    if (b->since == 0) t3d__shm_note_cpu(s); /* starting to wait: this rank runs here now */
+    uint32_t cpu = atomic_load_explicit(t3d__shm_cpu(s, p), memory_order_relaxed);
+    running = cpu != 0 && cpu != (uint32_t)sched_getcpu() + 1u;
+  }
+  /* A rank waiting here may hold up point-to-point that only this process can move: its own sends queued behind a
+   * full ring, and the slots of peers' rings that only its scan frees. */
+  if (s->p2p != NULL && t3d__shm_p2p_progress(s->p2p) > 0) t3d__backoff_reset(b);
+  if (!(running ? t3d__backoff_poll_running(b) : t3d__backoff_poll(b))) return;
+  uint64_t max_ns = 1000000;
+  if (until != 0) {
+    uint64_t now = t3d__now_ns();
+    if (now >= until) return;
+    if (until - now < max_ns) max_ns = until - now;
+  }
+  t3d__shm_sleep(s, p, target, max_ns);
+}
+
+/* "rank(s) 1, 3" for the ranks among [lo, hi) below target. */
+static void describe_missing(t3d_shm_t *s, int lo, int hi, uint64_t target, char *buf, size_t len) {
+  size_t used = (size_t)snprintf(buf, len, "rank(s) ");
+  int listed = 0;
+  for (int p = lo; p < hi && used + 24 < len; p++) {
+    if (p == s->rank) continue;
+    if (atomic_load_explicit(t3d__shm_flag(s, p), memory_order_acquire) >= target) continue;
+    used += (size_t)snprintf(buf + used, len - used, "%s%d", listed++ ? ", " : "", p);
+  }
+  if (used + 24 >= len) snprintf(buf + used, len - used, ", ...");
+  snprintf(buf + strlen(buf), len - strlen(buf), " (shared memory)");
+}
+
+static t3d_result_t fail_wait(t3d_shm_t *s, t3d_exec_t *ex, int lo, int hi, uint64_t target) {
+  char names[256];
+  describe_missing(s, lo, hi, target, names, sizeof names);
+  return t3d__exec_check(ex, names);
+}
+
+/* Whether rank p has reached target: its info line's seq equals a->word, or its flag. With a line to watch, the
+ * flag is read only when `flag_too` (its fallback: a peer that posts without setting seq, e.g. one that runs another
+ * operation): every read of the flag's line is one more line the peer must take back when it next posts. */
+static int arrived(t3d_shm_t *s, int p, uint64_t target, const t3d_shm_arrival_t *a, int flag_too) {
+  if (a != NULL) {
+    if (atomic_load_explicit(&t3d__shm_info(s, p, a->h)->seq, memory_order_acquire) == a->word) return 1;
+    if (!flag_too) return 0;
+  }
+  return atomic_load_explicit(t3d__shm_flag(s, p), memory_order_acquire) >= target;
+}
+
+t3d_result_t t3d__shm_wait_until(t3d_shm_t *s, t3d_exec_t *ex, int who, uint64_t target, uint64_t until) {
+  return t3d__shm_wait_line(s, ex, who, target, until, NULL);
+}
+
+t3d_result_t t3d__shm_wait_line(t3d_shm_t *s, t3d_exec_t *ex, int who, uint64_t target, uint64_t until,
+                                const t3d_shm_arrival_t *a) {
+  int lo = who < 0 ? 0 : who, hi = who < 0 ? s->size : who + 1;
+  int next = lo; /* flags only grow: a rank seen at target stays there */
+  t3d_backoff_t b = {0};
+  for (unsigned it = 1;; it++) {
+    int before = next;
+    while (next < hi && (next == s->rank || arrived(s, next, target, a, (it & 15) == 0))) next++;
+    if (next == hi) break;
+    if (next != before) t3d__backoff_reset(&b);
+    if ((it & 15) == 0 && t3d__exec_check(ex, "") != T3D_OK) return fail_wait(s, ex, lo, hi, target);
+    /* Every 8th round: a clock read costs a fair share of a sub-microsecond collective. */
+    if (until != 0 && (it & 7) == 0 && t3d__now_ns() >= until) return T3D_IN_PROGRESS;
+    t3d__shm_backoff(s, &b, next, target, until);
+    /* In the spin phase, watch the awaited rank in a tight loop before the next round: a round (clock read, CPU
+     * check, point-to-point pass, 8 pauses) takes ~150 ns, which a sub-microsecond collective would wait out. */
+    for (int k = 0; b.spun && k < 32 && !arrived(s, next, target, a, 0); k++) __builtin_ia32_pause();
+  }
+  if (who < 0 && target > s->seen_all) s->seen_all = target;
+  return T3D_OK;
+}
+
+t3d_result_t t3d__shm_wait_each(t3d_shm_t *s, t3d_exec_t *ex, uint64_t target, t3d_shm_peer_fn fn, void *arg) {
+  int n = s->size, cnt = 0;
+  for (int i = 1; i < n; i++) s->pending[cnt++] = (s->rank + i) % n;
+  t3d_backoff_t b = {0};
+  for (unsigned it = 1; cnt > 0; it++) {
+    int progressed = 0;
+    for (int i = 0; i < cnt;) {
+      int p = s->pending[i];
+      if (atomic_load_explicit(t3d__shm_flag(s, p), memory_order_acquire) >= target) {
+        fn(arg, p);
+        /* Keep the order (nearest rank first) for the ones left. */
+        memmove(s->pending + i, s->pending + i + 1, sizeof(int) * (size_t)(cnt - i - 1));
+        cnt--;
+        progressed = 1;
+      } else {
+        i++;
+      }
+    }
+    if (cnt == 0) break;
+    if (progressed) {
+      t3d__backoff_reset(&b);
+      continue;
+    }
+    if ((it & 15) == 0 && t3d__exec_check(ex, "") != T3D_OK) return fail_wait(s, ex, 0, n, target);
+    t3d__shm_backoff(s, &b, s->pending[0], target, 0);
+  }
+  if (target > s->seen_all) s->seen_all = target;
+  return T3D_OK;
+}
+
+/* The wait between start and finish of every collective that runs in parts (t3d_internal.h). */
+t3d_result_t t3d__shm_start_wait(t3d_exec_t *ex, const t3d_shm_resume_t *rs, int who, uint64_t until) {
+  /* Only a one-shot's start (rs->bytes set) looks beyond the flags: the other starts would pay a miss on a line
+   * that never says more. */
+  t3d_shm_t *s = t3d__exec_shm(ex);
+  if (rs->bytes == 0) return t3d__shm_wait_line(s, ex, who, rs->base + 1, until, NULL);
+  t3d_shm_arrival_t a = {rs->h, rs->base + 1};
+  return t3d__shm_wait_line(s, ex, who, rs->base + 1, until, &a);
+}
+
+/* ---------- info lines ---------- */
+
+void t3d__shm_put_info(t3d_shm_t *s, const t3d_shm_step_t *st, int kind, uint64_t sig, uint64_t aux) {
+  t3d_shm_info_t *in = t3d__shm_info(s, s->rank, st->h);
+  in->kind = (uint64_t)kind;
+  in->sig = sig;
+  in->aux = aux;
+  in->addr = 0;
+  in->pid = s->pid;
+}
+
+static const char *kind_name(uint64_t k) {
+  switch (k) {
+    case T3D_OP_ALLREDUCE: return "allreduce";
+    case T3D_OP_BROADCAST: return "broadcast";
+    case T3D_OP_REDUCE: return "reduce";
+    case T3D_OP_ALLGATHERV: return "allgather";
+    case T3D_OP_REDUCE_SCATTERV: return "reduce_scatter";
+    case T3D_OP_ALLTOALLV: return "alltoall";
+    default: return "another operation";
+  }
+}
+
+t3d_result_t t3d__shm_check_info(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step_t *st, int peer, int kind,
+                                 uint64_t sig) {
+  const t3d_shm_info_t *in = t3d__shm_info(s, peer, st->h);
+  if (in->kind == (uint64_t)kind && in->sig == sig) return T3D_OK;
+  snprintf(ex->error, sizeof ex->error,
+           "t3d: %s #%llu on group '%s' (rank %d of %d): rank %d runs %s of %llu bytes where this rank runs %s of "
+           "%llu bytes (ranks disagree on the operation or its size)",
+           ex->opname, (unsigned long long)ex->seq, ex->comm->name, ex->rank, ex->size, peer, kind_name(in->kind),
+           (unsigned long long)in->sig, kind_name((uint64_t)kind), (unsigned long long)sig);
+  return T3D_ERR_MISMATCH;
+}
+
+t3d_result_t t3d__shm_check_all_info(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step_t *st, int kind,
+                                     uint64_t sig) {
+  for (int p = 0; p < s->size; p++)
+    if (p != s->rank) T3D_CHECK(t3d__shm_check_info(s, ex, st, p, kind, sig));
+  return T3D_OK;
+}
