@@ -1,6 +1,7 @@
 /* reduce.c: the element-wise kernels collectives reduce with (reduce, scale, divide, half <-> float32 conversion)
  * and the public dtype / reduction-op tables. */
 #include "t3d_internal.h"
+#include "t3d_half.h"
 
 #include <math.h>
 #include <stdint.h>
@@ -13,62 +14,66 @@
 
 /* ---------- public tables ---------- */
 
-size_t t3d_dtype_size(t3d_dtype_t dtype) {
-  switch (dtype) {
-    case T3D_INT8: case T3D_UINT8: case T3D_BOOL: return 1;
-    case T3D_FLOAT16: case T3D_BFLOAT16: return 2;
-    case T3D_INT32: case T3D_FLOAT32: return 4;
-    case T3D_INT64: case T3D_FLOAT64: case T3D_COMPLEX64: return 8;
-    case T3D_COMPLEX128: return 16;
-    case T3D_DTYPE_COUNT: break;
-  }
-  return 0;
-}
+/* The rows are t3d_types.def's, which the C tests read too. */
+enum dtype_kind { KIND_INT, KIND_BOOL, KIND_HALF, KIND_FLOAT, KIND_COMPLEX };
 
-const char *t3d_dtype_name(t3d_dtype_t dtype) {
-  switch (dtype) {
-    case T3D_INT8: return "int8";
-    case T3D_UINT8: return "uint8";
-    case T3D_INT32: return "int32";
-    case T3D_INT64: return "int64";
-    case T3D_FLOAT16: return "float16";
-    case T3D_BFLOAT16: return "bfloat16";
-    case T3D_FLOAT32: return "float32";
-    case T3D_FLOAT64: return "float64";
-    case T3D_BOOL: return "bool";
-    case T3D_COMPLEX64: return "complex64";
-    case T3D_COMPLEX128: return "complex128";
-    case T3D_DTYPE_COUNT: break;
-  }
-  return "invalid";
-}
+static const struct {
+  const char *name;
+  size_t size;
+  enum dtype_kind kind;
+} dtypes[T3D_DTYPE_COUNT] = {
+#define T3D_DTYPE(ENUM, NAME, CTYPE, COMPS, SIZE, KIND) [ENUM] = {NAME, SIZE, KIND_##KIND},
+#include "t3d_types.def"
+#undef T3D_DTYPE
+};
+
+static const char *const redop_names[T3D_REDOP_COUNT] = {
+#define T3D_REDOP(ENUM, NAME) [ENUM] = NAME,
+#include "t3d_types.def"
+#undef T3D_REDOP
+};
+
+/* Each list has one row per enum value, in enum order, and each dtype's size is that of its components. */
+enum {
+#define T3D_DTYPE(ENUM, NAME, CTYPE, COMPS, SIZE, KIND) DTYPE_ROW_##ENUM,
+#include "t3d_types.def"
+#undef T3D_DTYPE
+  DTYPE_ROWS
+};
+enum {
+#define T3D_REDOP(ENUM, NAME) REDOP_ROW_##ENUM,
+#include "t3d_types.def"
+#undef T3D_REDOP
+  REDOP_ROWS
+};
+_Static_assert((int)DTYPE_ROWS == (int)T3D_DTYPE_COUNT, "t3d_types.def: one T3D_DTYPE row per t3d_dtype_t");
+_Static_assert((int)REDOP_ROWS == (int)T3D_REDOP_COUNT, "t3d_types.def: one T3D_REDOP row per t3d_redop_t");
+#define T3D_DTYPE(ENUM, NAME, CTYPE, COMPS, SIZE, KIND)                                                       \
+  _Static_assert((int)DTYPE_ROW_##ENUM == (int)ENUM, "t3d_types.def: " NAME " out of enum order");            \
+  _Static_assert((COMPS) * sizeof(CTYPE) == (SIZE), "t3d_types.def: " NAME "'s size is not its components'");
+#define T3D_REDOP(ENUM, NAME)                                                                                 \
+  _Static_assert((int)REDOP_ROW_##ENUM == (int)ENUM, "t3d_types.def: " NAME " out of enum order");
+#include "t3d_types.def"
+#undef T3D_DTYPE
+#undef T3D_REDOP
+
+/* Compared as unsigned so that a negative value cast into the enum is caught too. */
+static bool valid_dtype(t3d_dtype_t dt) { return (unsigned)dt < (unsigned)T3D_DTYPE_COUNT; }
+
+size_t t3d_dtype_size(t3d_dtype_t dtype) { return valid_dtype(dtype) ? dtypes[dtype].size : 0; }
+
+const char *t3d_dtype_name(t3d_dtype_t dtype) { return valid_dtype(dtype) ? dtypes[dtype].name : "invalid"; }
 
 const char *t3d_redop_name(t3d_redop_t op) {
-  switch (op) {
-    case T3D_SUM: return "sum";
-    case T3D_PROD: return "prod";
-    case T3D_MIN: return "min";
-    case T3D_MAX: return "max";
-    case T3D_AVG: return "avg";
-    case T3D_PREMUL_SUM: return "premul_sum";
-    case T3D_BAND: return "band";
-    case T3D_BOR: return "bor";
-    case T3D_BXOR: return "bxor";
-    case T3D_REDOP_COUNT: break;
-  }
-  return "invalid";
+  return (unsigned)op < (unsigned)T3D_REDOP_COUNT ? redop_names[op] : "invalid";
 }
 
-static bool is_integer(t3d_dtype_t dt) {
-  return dt == T3D_INT8 || dt == T3D_UINT8 || dt == T3D_INT32 || dt == T3D_INT64;
-}
+static bool is_integer(t3d_dtype_t dt) { return dtypes[dt].kind == KIND_INT; }
 
-static bool is_complex(t3d_dtype_t dt) { return dt == T3D_COMPLEX64 || dt == T3D_COMPLEX128; }
+static bool is_complex(t3d_dtype_t dt) { return dtypes[dt].kind == KIND_COMPLEX; }
 
 t3d_result_t t3d_redop_supported(t3d_redop_t op, t3d_dtype_t dtype) {
-  /* Compared as unsigned so that a negative value cast into the enum is caught too. */
-  if ((unsigned)op >= (unsigned)T3D_REDOP_COUNT || (unsigned)dtype >= (unsigned)T3D_DTYPE_COUNT)
-    return T3D_ERR_INVALID_ARG;
+  if ((unsigned)op >= (unsigned)T3D_REDOP_COUNT || !valid_dtype(dtype)) return T3D_ERR_INVALID_ARG;
   switch (op) {
     case T3D_BAND: case T3D_BOR: case T3D_BXOR:
       return (is_integer(dtype) || dtype == T3D_BOOL) ? T3D_OK : T3D_ERR_UNSUPPORTED;
@@ -81,79 +86,17 @@ t3d_result_t t3d_redop_supported(t3d_redop_t op, t3d_dtype_t dtype) {
   }
 }
 
-/* ---------- half <-> float32, scalar and portable ---------- */
+/* ---------- half <-> float32 ---------- */
 
-static inline uint32_t f32_bits(float f) {
-  uint32_t u;
-  memcpy(&u, &f, sizeof u);
-  return u;
-}
-
-static inline float f32_from_bits(uint32_t u) {
-  float f;
-  memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-/* Non-static so that the unit tests can check the portable path even where F16C is used. */
+/* The scalar conversions are t3d_half.h's, shared with the kernels library, the tests and the benchmarks; the
+ * float16 pair is also exported (non-static) so that the unit tests can check the portable path even where F16C is
+ * used. */
 float t3d__f16_bits_to_float(uint16_t h);
 uint16_t t3d__float_to_f16_bits(float f);
 
-float t3d__f16_bits_to_float(uint16_t h) {
-  uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-  uint32_t exp = (h >> 10) & 0x1fu;
-  uint32_t man = h & 0x3ffu;
-  if (exp == 0) {
-    /* Zero or subnormal: man * 2^-24 is exact in float32. */
-    return f32_from_bits(sign | f32_bits((float)man * 0x1p-24f));
-  }
-  if (exp == 31) {
-    /* NaNs come out quiet, payload kept, as VCVTPH2PS does, so both paths agree bit for bit. */
-    return f32_from_bits(sign | 0x7f800000u | (man << 13) | (man ? 0x400000u : 0u));
-  }
-  return f32_from_bits(sign | ((exp + 112u) << 23) | (man << 13));
-}
+float t3d__f16_bits_to_float(uint16_t h) { return t3d__f16_to_f32(h); }
 
-uint16_t t3d__float_to_f16_bits(float f) {
-  uint32_t u = f32_bits(f);
-  uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
-  uint32_t a = u & 0x7fffffffu;
-  if (a >= 0x7f800000u) {
-    if (a == 0x7f800000u) return sign | 0x7c00u;
-    /* Quiet NaN with the top of the payload, matching VCVTPS2PH. */
-    return (uint16_t)(sign | 0x7e00u | ((a >> 13) & 0x3ffu));
-  }
-  /* 65520 is halfway between 65504 (odd mantissa) and 65536: ties to even go to infinity. */
-  if (a >= 0x477ff000u) return sign | 0x7c00u;
-  if (a >= 0x38800000u) {
-    /* Normal: rebias the exponent and round the 13 dropped bits to nearest even; a carry into the exponent
-     * field is the correct next binade. */
-    uint32_t r = a - (112u << 23);
-    r += 0xfffu + ((r >> 13) & 1u);
-    return (uint16_t)(sign | (r >> 13));
-  }
-  /* 2^-25 and below round to zero (2^-25 itself is a tie with an even zero). */
-  if (a <= 0x33000000u) return sign;
-  /* Subnormal: the value in units of 2^-24 is the full mantissa shifted right by 126 - exponent (14..24). */
-  uint32_t e = a >> 23;
-  uint32_t m = (a & 0x7fffffu) | 0x800000u;
-  uint32_t shift = 126u - e;
-  uint32_t r = m >> shift;
-  uint32_t rem = m & ((1u << shift) - 1u);
-  uint32_t half = 1u << (shift - 1u);
-  if (rem > half || (rem == half && (r & 1u))) r++;
-  return (uint16_t)(sign | r);
-}
-
-static inline float bf16_bits_to_float(uint16_t h) { return f32_from_bits((uint32_t)h << 16); }
-
-static inline uint16_t float_to_bf16_bits(float f) {
-  uint32_t u = f32_bits(f);
-  /* Rounding could carry a NaN's payload into infinity: force the quiet bit instead. */
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x0040u);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return (uint16_t)(u >> 16);
-}
+uint16_t t3d__float_to_f16_bits(float f) { return t3d__f32_to_f16(f); }
 
 #ifdef T3D_HAVE_F16C_PATH
 __attribute__((target("avx,f16c"))) static size_t f16_to_float_f16c(float *dst, const uint16_t *src, size_t n) {
@@ -190,26 +133,26 @@ void t3d__half_to_float(float *dst, const void *src, size_t n, t3d_dtype_t half_
   const uint16_t *s = (const uint16_t *)src;
   size_t i = 0;
   if (half_dt == T3D_BFLOAT16) {
-    for (; i < n; i++) dst[i] = bf16_bits_to_float(s[i]);
+    for (; i < n; i++) dst[i] = t3d__bf16_to_f32(s[i]);
     return;
   }
 #ifdef T3D_HAVE_F16C_PATH
   if (have_f16c()) i = f16_to_float_f16c(dst, s, n);
 #endif
-  for (; i < n; i++) dst[i] = t3d__f16_bits_to_float(s[i]);
+  for (; i < n; i++) dst[i] = t3d__f16_to_f32(s[i]);
 }
 
 void t3d__float_to_half(void *dst, const float *src, size_t n, t3d_dtype_t half_dt) {
   uint16_t *d = (uint16_t *)dst;
   size_t i = 0;
   if (half_dt == T3D_BFLOAT16) {
-    for (; i < n; i++) d[i] = float_to_bf16_bits(src[i]);
+    for (; i < n; i++) d[i] = t3d__f32_to_bf16(src[i]);
     return;
   }
 #ifdef T3D_HAVE_F16C_PATH
   if (have_f16c()) i = float_to_f16_f16c(d, src, n);
 #endif
-  for (; i < n; i++) d[i] = t3d__float_to_f16_bits(src[i]);
+  for (; i < n; i++) d[i] = t3d__f32_to_f16(src[i]);
 }
 
 /* ---------- reduce ---------- */

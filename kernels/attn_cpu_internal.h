@@ -9,6 +9,9 @@
 #include <string.h>
 
 #include "t3d_attn.h"
+/* t3d__bf16_to_f32 / t3d__f32_to_bf16 (round to nearest even; NaN stays NaN, quiet): libt3d converts with the same
+ * code (c_src/include/t3d_half.h, header-only: this library does not link libt3d). */
+#include "t3d_half.h"
 
 /* Tile sizes. Forward: a task owns ATTN_FWD_BQ queries of one (batch, head) and walks the keys ATTN_FWD_BK at a
  * time. Backward: a task owns key blocks of ATTN_BWD_BK keys of one (batch, kv head) and walks the queries
@@ -86,21 +89,5 @@ void t3d__attn_amx_bwd_pack(const t3d__attn_problem *p, int64_t begin, int64_t e
 /* Generous per-thread scratch for either pass (floats), sized for ATTN_DMAX. */
 #define ATTN_SCRATCH_FLOATS                                                                                      \
   ((size_t)(4 * ATTN_DMAX * 128 + 6 * 128 * 128 + 8 * 128 + 4096))
-
-static inline float t3d__bf16_to_f32(uint16_t h) {
-  uint32_t u = (uint32_t)h << 16;
-  float f;
-  memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-/* Round to nearest even; NaN stays NaN (quiet). */
-static inline uint16_t t3d__f32_to_bf16(float f) {
-  uint32_t u;
-  memcpy(&u, &f, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return (uint16_t)(u >> 16);
-}
 
 #endif

@@ -10,6 +10,7 @@
 #include <time.h>
 
 #include "t3d_attn.h"
+#include "t3d_half.h"
 
 static double now_ms(void) {
   struct timespec ts;
@@ -23,13 +24,6 @@ static double cpu_ms(void) {
   return ts.tv_sec * 1e3 + ts.tv_nsec * 1e-6;
 }
 
-static uint16_t bf16(float f) {
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return (uint16_t)(u >> 16);
-}
-
 static void *rand_buf(t3d_attn_dtype_t dt, size_t n, unsigned *seed) {
   void *p = malloc(n * (dt == T3D_ATTN_FLOAT32 ? 4 : 2));
   if (!p) exit(1);
@@ -39,7 +33,7 @@ static void *rand_buf(t3d_attn_dtype_t dt, size_t n, unsigned *seed) {
     if (dt == T3D_ATTN_FLOAT32)
       ((float *)p)[i] = x;
     else
-      ((uint16_t *)p)[i] = bf16(x);
+      ((uint16_t *)p)[i] = t3d__f32_to_bf16(x);
   }
   return p;
 }

@@ -4,12 +4,21 @@
 #define T3D_BENCH_COMMON_H
 
 #include <stddef.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 enum { OP_ALLREDUCE, OP_ALLGATHER, OP_REDUCE_SCATTER, OP_ALLTOALL, OP_BROADCAST, OP_SENDRECV, OP_COUNT };
 static const char *const op_names[OP_COUNT] = {"allreduce", "allgather", "reduce_scatter", "alltoall", "broadcast",
                                                "sendrecv"};
+
+/* Whether op reduces (float32 sum, the "redop" column); the others only move data. */
+static inline int op_reduces(int op) { return op == OP_ALLREDUCE || op == OP_REDUCE_SCATTER; }
+
+/* "allreduce, allgather, ..." for the usage texts. */
+static inline void print_op_names(FILE *f) {
+  for (int i = 0; i < OP_COUNT; i++) fprintf(f, "%s%s", i > 0 ? ", " : "", op_names[i]);
+}
 
 /* "64K", "1.5M", "2G": bytes. */
 static inline size_t parse_size(const char *s) {

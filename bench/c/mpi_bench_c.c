@@ -25,10 +25,13 @@ static void usage(const char *argv0, int rank) {
     fprintf(stderr,
             "usage: mpirun -np N %s [-b minbytes] [-e maxbytes] [-f factor] [-o op[,op...]] [-w warmup] [-i iters]\n"
             "          [-c 0|1]\n"
-            "  ops: allreduce, allgather, reduce_scatter, alltoall, broadcast, sendrecv (ring shift) (default: all);\n"
-            "  float32, sum;\n"
-            "  sizes as in t3d_bench_c (total bytes, K/M/G suffixes; default 8 B .. 256 MiB x2)\n",
+            "  ops: ",
             argv0);
+    print_op_names(stderr);
+    fprintf(stderr,
+            " (ring shift) (default: all);\n"
+            "  float32, sum;\n"
+            "  sizes as in t3d_bench_c (total bytes, K/M/G suffixes; default 8 B .. 256 MiB x2)\n");
   }
   MPI_Finalize();
   exit(2);
@@ -102,7 +105,7 @@ int main(int argc, char **argv) {
     if (!o.ops[op]) continue;
     if (rank == 0) {
       printf("\n# %s, %d ranks, float32%s; time = slowest rank's mean per call\n", op_names[op], n,
-             op == OP_ALLREDUCE || op == OP_REDUCE_SCATTER ? " sum" : "");
+             op_reduces(op) ? " sum" : "");
       printf("# %12s %12s %6s %5s | %-4s %10s %8s %8s %6s\n", "size(B)", "count", "type", "redop", "mpi", "time(us)",
              "algbw", "busbw", "#wrong");
       fflush(stdout);
@@ -129,7 +132,7 @@ int main(int argc, char **argv) {
       if (rank == 0) {
         double algbw = (double)real / slowest / 1e9;
         printf("  %12zu %12zu %6s %5s | %-4s %10.2f %8.3f %8.3f %6lld\n", real, count, "float",
-               op == OP_ALLREDUCE || op == OP_REDUCE_SCATTER ? "sum" : "-", "mpi", slowest * 1e6, algbw,
+               op_reduces(op) ? "sum" : "-", "mpi", slowest * 1e6, algbw,
                algbw * bus_factor(op, n), wrong_all);
         fflush(stdout);
       }

@@ -130,14 +130,17 @@ static void usage(const char *argv0) {
   fprintf(stderr,
           "usage: %s [-n ranks] [-b minbytes] [-e maxbytes] [-f factor] [-o op[,op...]] [-t auto|ucx|both]\n"
           "          [-w warmup] [-i iters] [-c 0|1] [-a]\n"
-          "  ops: allreduce, allgather, reduce_scatter, alltoall, broadcast, sendrecv (default: all)\n"
+          "  ops: ",
+          argv0);
+  print_op_names(stderr);
+  fprintf(stderr,
+          " (default: all)\n"
           "  -a issues collectives without T3D_FLAG_BLOCKING (the progress thread runs those too large to start on\n"
           "     the calling thread), still waiting for each at once\n"
           "  sendrecv is a ring shift: every rank sends to rank + 1 and receives from rank - 1 in one group\n"
           "  sizes are total bytes as in nccl-tests (K/M/G suffixes); float32, sum; default 8 B .. 256 MiB x2\n"
           "  -t both runs every size on two communicators: the default transport (shared memory on one host) and\n"
-          "     T3D_TRANSPORT=ucx; iterations default to about 256 MiB of traffic per size (5 .. 2000)\n",
-          argv0);
+          "     T3D_TRANSPORT=ucx; iterations default to about 256 MiB of traffic per size (5 .. 2000)\n");
   exit(2);
 }
 
@@ -232,7 +235,7 @@ static int rank_main(const opts_t *o, int rank, const fstore_t *fs, shared_t *sh
     if (!o->ops[op]) continue;
     if (rank == 0) {
       printf("\n# %s, %d ranks, float32%s; time = slowest rank's mean per call (issue + wait%s)\n", op_names[op], n,
-             op == OP_ALLREDUCE || op == OP_REDUCE_SCATTER ? " sum" : "",
+             op_reduces(op) ? " sum" : "",
              op == OP_SENDRECV ? "" : o->async ? "; non-blocking" : "; T3D_FLAG_BLOCKING");
       printf("# %12s %12s %6s %5s", "size(B)", "count", "type", "redop");
       for (int t = 0; t < 2; t++)
@@ -271,7 +274,7 @@ static int rank_main(const opts_t *o, int rank, const fstore_t *fs, shared_t *sh
         if (barrier(c) != T3D_OK) return fail(rank, "barrier", c, T3D_ERR_INTERNAL);
       }
       if (rank == 0) {
-        printf("  %12zu %12zu %6s %5s", real, count, "float", op == OP_ALLREDUCE || op == OP_REDUCE_SCATTER ? "sum" : "-");
+        printf("  %12zu %12zu %6s %5s", real, count, "float", op_reduces(op) ? "sum" : "-");
         for (int t = 0; t < 2; t++) {
           if (comms[t] == NULL) continue;
           double algbw = (double)real / tm[t] / 1e9;

@@ -14,6 +14,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "include/t3d_half.h" /* the halves convert as libt3d's do */
 #include "nccl/nccl_abi.h"
 
 #define FAKE_VERSION 22705 /* reported as NCCL 2.27.5 */
@@ -245,65 +246,6 @@ static void retire_locked(const t3d_nccl_unique_id_t *id) {
   g_retired[g_nretired++] = k;
 }
 
-/* ---------- halves ---------- */
-
-static float f16_to_float(uint16_t h) {
-  const uint32_t sign = (uint32_t)(h >> 15) << 31;
-  const uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
-  uint32_t bits;
-  if (exp == 0) {
-    const float mag = (float)man * 0x1p-24f; /* zero or subnormal, exact */
-    return sign ? -mag : mag;
-  }
-  if (exp == 31) {
-    bits = sign | 0x7f800000u | (man << 13);
-  } else {
-    bits = sign | ((exp + 112u) << 23) | (man << 13);
-  }
-  float f;
-  memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-static uint16_t float_to_f16(float f) {
-  uint32_t x;
-  memcpy(&x, &f, sizeof x);
-  const uint32_t sign = (x >> 16) & 0x8000u;
-  const uint32_t ax = x & 0x7fffffffu;
-  if (ax > 0x7f800000u) return (uint16_t)(sign | 0x7e00u);
-  if (ax == 0x7f800000u) return (uint16_t)(sign | 0x7c00u);
-  if (ax < 0x38800000u) { /* below half's smallest normal: a multiple of 2^-24, rounded to nearest even */
-    const uint32_t e = ax >> 23;
-    if (e < 102) return (uint16_t)sign;
-    const uint32_t m = (ax & 0x7fffffu) | 0x800000u;
-    const uint32_t shift = 126u - e;
-    uint32_t q = m >> shift;
-    const uint32_t rest = m & ((1u << shift) - 1u), half = 1u << (shift - 1u);
-    if (rest > half || (rest == half && (q & 1u))) q++;
-    return (uint16_t)(sign | q);
-  }
-  uint32_t h = (ax >> 13) - (112u << 10);
-  const uint32_t rest = ax & 0x1fffu;
-  if (rest > 0x1000u || (rest == 0x1000u && (h & 1u))) h++;
-  if (h >= 0x7c00u) h = 0x7c00u;
-  return (uint16_t)(sign | h);
-}
-
-static float bf16_to_float(uint16_t h) {
-  const uint32_t x = (uint32_t)h << 16;
-  float f;
-  memcpy(&f, &x, sizeof f);
-  return f;
-}
-
-static uint16_t float_to_bf16(float f) {
-  uint32_t x;
-  memcpy(&x, &f, sizeof x);
-  if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40u);
-  x += 0x7fffu + ((x >> 16) & 1u);
-  return (uint16_t)(x >> 16);
-}
-
 /* ---------- reductions ---------- */
 
 static size_t dtype_size(t3d_nccl_dtype_t dt) {
@@ -362,19 +304,19 @@ DEFINE_INT_REDUCE(reduce_u64, uint64_t, uint64_t, uint64_t)
 static float ld_f16(const unsigned char *p) {
   uint16_t h;
   memcpy(&h, p, 2);
-  return f16_to_float(h);
+  return t3d__f16_to_f32(h);
 }
 static void st_f16(unsigned char *p, float v) {
-  const uint16_t h = float_to_f16(v);
+  const uint16_t h = t3d__f32_to_f16(v);
   memcpy(p, &h, 2);
 }
 static float ld_bf16(const unsigned char *p) {
   uint16_t h;
   memcpy(&h, p, 2);
-  return bf16_to_float(h);
+  return t3d__bf16_to_f32(h);
 }
 static void st_bf16(unsigned char *p, float v) {
-  const uint16_t h = float_to_bf16(v);
+  const uint16_t h = t3d__f32_to_bf16(v);
   memcpy(p, &h, 2);
 }
 static float ld_f32(const unsigned char *p) {

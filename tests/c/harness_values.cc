@@ -6,90 +6,67 @@
 #include <sstream>
 
 #include "harness.h"
+#include "t3d_half.h"
 
 namespace t3dtest {
 
-const t3d_dtype_t kAllDtypes[] = {T3D_INT8,    T3D_UINT8,   T3D_INT32, T3D_INT64,     T3D_FLOAT16,   T3D_BFLOAT16,
-                                  T3D_FLOAT32, T3D_FLOAT64, T3D_BOOL,  T3D_COMPLEX64, T3D_COMPLEX128};
+// Every dtype and op, and what kind of values each dtype holds: the rows of c_src/include/t3d_types.def, which
+// libt3d's tables read too.
+const t3d_dtype_t kAllDtypes[] = {
+#define T3D_DTYPE(ENUM, NAME, CTYPE, COMPS, SIZE, KIND) ENUM,
+#include "t3d_types.def"
+#undef T3D_DTYPE
+};
 const size_t kNumDtypes = sizeof(kAllDtypes) / sizeof(kAllDtypes[0]);
-const t3d_redop_t kAllOps[] = {T3D_SUM, T3D_PROD, T3D_MIN,  T3D_MAX, T3D_AVG,
-                               T3D_PREMUL_SUM, T3D_BAND, T3D_BOR, T3D_BXOR};
+const t3d_redop_t kAllOps[] = {
+#define T3D_REDOP(ENUM, NAME) ENUM,
+#include "t3d_types.def"
+#undef T3D_REDOP
+};
 const size_t kNumOps = sizeof(kAllOps) / sizeof(kAllOps[0]);
 
-bool IsHalf(t3d_dtype_t dt) { return dt == T3D_FLOAT16 || dt == T3D_BFLOAT16; }
-bool IsComplex(t3d_dtype_t dt) { return dt == T3D_COMPLEX64 || dt == T3D_COMPLEX128; }
-bool IsFloat(t3d_dtype_t dt) {
-  return IsHalf(dt) || dt == T3D_FLOAT32 || dt == T3D_FLOAT64 || IsComplex(dt);
+enum class Kind { INT, BOOL, HALF, FLOAT, COMPLEX, INVALID };  // t3d_types.def's KIND column
+
+static Kind KindOf(t3d_dtype_t dt) {
+  switch (dt) {
+#define T3D_DTYPE(ENUM, NAME, CTYPE, COMPS, SIZE, KIND) \
+  case ENUM: return Kind::KIND;
+#include "t3d_types.def"
+#undef T3D_DTYPE
+    default: return Kind::INVALID;
+  }
 }
-bool IsInteger(t3d_dtype_t dt) { return dt == T3D_INT8 || dt == T3D_UINT8 || dt == T3D_INT32 || dt == T3D_INT64; }
-int Components(t3d_dtype_t dt) { return IsComplex(dt) ? 2 : 1; }
+
+bool IsHalf(t3d_dtype_t dt) { return KindOf(dt) == Kind::HALF; }
+bool IsComplex(t3d_dtype_t dt) { return KindOf(dt) == Kind::COMPLEX; }
+bool IsFloat(t3d_dtype_t dt) { return IsHalf(dt) || KindOf(dt) == Kind::FLOAT || IsComplex(dt); }
+bool IsInteger(t3d_dtype_t dt) { return KindOf(dt) == Kind::INT; }
+
+int Components(t3d_dtype_t dt) {
+  switch (dt) {
+#define T3D_DTYPE(ENUM, NAME, CTYPE, COMPS, SIZE, KIND) \
+  case ENUM: return COMPS;
+#include "t3d_types.def"
+#undef T3D_DTYPE
+    default: return 1;
+  }
+}
 
 static size_t ElemSize(t3d_dtype_t dt) {
   switch (dt) {
-    case T3D_INT8: case T3D_UINT8: case T3D_BOOL: return 1;
-    case T3D_FLOAT16: case T3D_BFLOAT16: return 2;
-    case T3D_INT32: case T3D_FLOAT32: return 4;
-    case T3D_INT64: case T3D_FLOAT64: case T3D_COMPLEX64: return 8;
-    case T3D_COMPLEX128: return 16;
+#define T3D_DTYPE(ENUM, NAME, CTYPE, COMPS, SIZE, KIND) \
+  case ENUM: return SIZE;
+#include "t3d_types.def"
+#undef T3D_DTYPE
     default: return 0;
   }
 }
 
-uint16_t FloatToHalf(float f) {
-  uint32_t x;
-  memcpy(&x, &f, sizeof x);
-  const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000u);
-  const uint32_t exp = (x >> 23) & 0xffu;
-  uint32_t mant = x & 0x7fffffu;
-  if (exp == 0xff) return static_cast<uint16_t>(sign | 0x7c00u | (mant ? 0x200u : 0u));
-  const int e = static_cast<int>(exp) - 127 + 15;
-  if (e >= 31) return static_cast<uint16_t>(sign | 0x7c00u);
-  if (e > 0) {
-    uint32_t h = (static_cast<uint32_t>(e) << 10) | (mant >> 13);
-    const uint32_t rest = mant & 0x1fffu;
-    if (rest > 0x1000u || (rest == 0x1000u && (h & 1u))) h++;  // a carry into the exponent is still right
-    return static_cast<uint16_t>(sign | h);
-  }
-  // Subnormal half: units of 2^-24.
-  if (exp == 0) return sign;  // float subnormals are far below half's range
-  mant |= 0x800000u;
-  const uint32_t shift = 126u - exp;  // >= 14
-  if (shift > 31) return sign;
-  uint32_t q = mant >> shift;
-  const uint32_t rest = mant & ((1u << shift) - 1u);
-  const uint32_t halfway = 1u << (shift - 1);
-  if (rest > halfway || (rest == halfway && (q & 1u))) q++;
-  return static_cast<uint16_t>(sign | q);
-}
-
-float HalfToFloat(uint16_t h) {
-  const int exp = (h >> 10) & 0x1f;
-  const int mant = h & 0x3ff;
-  float v;
-  if (exp == 0) {
-    v = std::ldexp(static_cast<float>(mant), -24);
-  } else if (exp == 31) {
-    v = mant ? NAN : INFINITY;
-  } else {
-    v = std::ldexp(static_cast<float>(1024 + mant), exp - 25);
-  }
-  return (h & 0x8000) ? -v : v;
-}
-
-uint16_t FloatToBf16(float f) {
-  uint32_t x;
-  memcpy(&x, &f, sizeof x);
-  if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((x >> 16) | 0x40u);
-  x += 0x7fffu + ((x >> 16) & 1u);
-  return static_cast<uint16_t>(x >> 16);
-}
-
-float Bf16ToFloat(uint16_t h) {
-  uint32_t x = static_cast<uint32_t>(h) << 16;
-  float f;
-  memcpy(&f, &x, sizeof f);
-  return f;
-}
+// The conversions of c_src/include/t3d_half.h, which libt3d, the kernels and the fake NCCL use too.
+uint16_t FloatToHalf(float f) { return t3d__f32_to_f16(f); }
+float HalfToFloat(uint16_t h) { return t3d__f16_to_f32(h); }
+uint16_t FloatToBf16(float f) { return t3d__f32_to_bf16(f); }
+float Bf16ToFloat(uint16_t h) { return t3d__bf16_to_f32(h); }
 
 static void StoreBits(t3d_dtype_t dt, void *buf, size_t i, uint64_t bits) {
   unsigned char *p = static_cast<unsigned char *>(buf) + i * ElemSize(dt);

@@ -25,15 +25,11 @@ import tempfile
 import time
 from datetime import timedelta
 
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
-
-# nccl-tests: busbw = algbw * factor; S is the size of the whole array (per rank for all_reduce and broadcast).
-def bus_factor(op: str, n: int) -> float:
-    if op == "all_reduce":
-        return 2.0 * (n - 1) / n
-    if op in ("all_gather", "reduce_scatter", "all_to_all"):
-        return (n - 1) / n
-    return 1.0
+from . import mpi_peer
+# The op spec (which ops, buffer sizes, inputs, expected outputs, bus factors, calls per row), shared with the MPI
+# peer; OPS, bus_factor, iters_for and ROW_BUDGET_S stay importable from here.
+from .opspec import (OPS, POISON, ROOT, ROW_BUDGET_S, WARMUP_CALLS, budget_iters, bus_factor, counts, input_value,
+                     iters_for, output_ok, ring_peers, row, runs_on)
 
 
 def parse_size(text: str) -> int:
@@ -53,21 +49,12 @@ def sizes_between(lo: int, hi: int) -> list[int]:
     return out
 
 
-def iters_for(nbytes: int) -> tuple[int, int]:
-    """(warmup, timed) iterations: many for small messages, few for large ones (the box has 2 cores)."""
-    if nbytes <= 64 << 10:
-        return 50, 1000
-    if nbytes <= 4 << 20:
-        return 5, 40
-    return 2, 8
-
-
 # ---------------------------------------------------------------- one rank, torch.distributed backends
 
 def _check_output(run, out, ok):
     """A check for an op whose inputs never change: poison the output, run once, test it with ok()."""
     def check():
-        out.fill_(-1.0)
+        out.fill_(POISON)
         run()
         return bool(ok())
     return check
@@ -75,75 +62,57 @@ def _check_output(run, out, ok):
 
 def _make_op(op: str, nbytes: int, rank: int, n: int, dist, torch, group=None):
     """Buffers, a callable that runs the op once, a check, and the message size S in bytes. `group` (all_reduce
-    only, for the dispatch floor): run on that group instead of the world.
+    only, for the dispatch floor): run on that group instead of the world. Sizes, inputs and expected outputs are
+    opspec's, as for the MPI peer.
 
     As in nccl-tests, the timed callable only communicates: it does not re-initialise its buffers (the fill would
     be timed too, and at 8 ranks on 2 cores filling 16 MiB costs a quarter of the all_reduce). The check sets known
     inputs, runs the op once more, compares every element with the value it must have, and leaves the buffers as
     the timed loop expects them (all_reduce: zeros, so that repeating it in place never overflows)."""
-    count = max(1, nbytes // 4)
+    n_in, n_out, size_b = counts(op, nbytes, n)
+    value = input_value(op, rank, n)
     if op == "all_reduce":
-        x = torch.zeros(count)
+        x = torch.zeros(n_in)
         group = dist.group.WORLD if group is None else group  # passed explicitly either way: the same call
 
         def check():
-            x.fill_(float(rank + 1))
+            x.fill_(value)
             dist.all_reduce(x, group=group)
-            ok = bool(torch.all(x == n * (n + 1) / 2))
+            ok = output_ok(op, rank, n, x)
             x.zero_()
             return ok
-        return (lambda: dist.all_reduce(x, group=group)), check, count * 4
-    if op == "all_gather":
-        per = max(1, count // n)
-        x = torch.full((per,), float(rank))
-        out = torch.empty(per * n)
-        expect = torch.arange(n, dtype=torch.float32).repeat_interleave(per)
-        run = lambda: dist.all_gather_into_tensor(out, x)  # noqa: E731
-        return run, _check_output(run, out, lambda: torch.equal(out, expect)), per * n * 4
-    if op == "reduce_scatter":
-        per = max(1, count // n)
-        x = torch.full((per * n,), float(rank + 1))
-        out = torch.empty(per)
-        run = lambda: dist.reduce_scatter_tensor(out, x)  # noqa: E731
-        return run, _check_output(run, out, lambda: torch.all(out == n * (n + 1) / 2)), per * n * 4
-    if op == "all_to_all":
-        per = max(1, count // n)
-        x = torch.full((per * n,), float(rank))
-        out = torch.empty(per * n)
-        expect = torch.arange(n, dtype=torch.float32).repeat_interleave(per)
-        run = lambda: dist.all_to_all_single(out, x)  # noqa: E731
-        return run, _check_output(run, out, lambda: torch.equal(out, expect)), per * n * 4
+        return (lambda: dist.all_reduce(x, group=group)), check, size_b
     if op == "broadcast":
-        x = torch.zeros(count)
+        x = torch.zeros(n_in)
 
         def run():
-            dist.broadcast(x, src=0)
+            dist.broadcast(x, src=ROOT)
 
         def check():
-            x.fill_(7.0 if rank == 0 else -1.0)
+            x.fill_(value)
             run()
-            return bool(torch.all(x == 7.0))
-        return run, check, count * 4
-    if op == "send_recv":
-        x = torch.full((count,), float(rank))
-        buf = torch.empty(count)
+            return output_ok(op, rank, n, x)
+        return run, check, size_b
+    x = torch.full((n_in,), value)
+    out = torch.empty(n_out)
+    if op == "all_gather":
+        run = lambda: dist.all_gather_into_tensor(out, x)  # noqa: E731
+    elif op == "reduce_scatter":
+        run = lambda: dist.reduce_scatter_tensor(out, x)  # noqa: E731
+    elif op == "all_to_all":
+        run = lambda: dist.all_to_all_single(out, x)  # noqa: E731
+    else:
+        to, frm = ring_peers(rank, n)
 
         def run():  # ring shift: everyone sends and receives once
-            ops = [dist.P2POp(dist.isend, x, (rank + 1) % n), dist.P2POp(dist.irecv, buf, (rank - 1) % n)]
+            ops = [dist.P2POp(dist.isend, x, to), dist.P2POp(dist.irecv, out, frm)]
             for w in dist.batch_isend_irecv(ops):
                 w.wait()
-
-        return run, _check_output(run, buf, lambda: torch.all(buf == float((rank - 1) % n))), count * 4
-    raise ValueError(f"unknown op {op!r}")
-
-
-# Timed iterations stop at about this many seconds per row (slow peers at small sizes would take minutes at 8 ranks);
-# every rank derives the same count from the slowest rank's warm-up.
-ROW_BUDGET_S = 1.5
+    return run, _check_output(run, out, lambda: output_ok(op, rank, n, out)), size_b
 
 
 def _budget_iters(iters: int, warm_call_s: float, max_over_ranks) -> int:
-    return max(5, min(iters, int(ROW_BUDGET_S / max(max_over_ranks(warm_call_s), 1e-9))))
+    return budget_iters(iters, max_over_ranks(warm_call_s))
 
 
 def _max_over_ranks(x: float, dist, torch) -> float:
@@ -156,10 +125,6 @@ def _max_over_ranks(x: float, dist, torch) -> float:
 # on a no-op "fake" process group in the same processes: the dispatch floor, measured under the same conditions
 # (this machine's speed drifts by tens of percent over seconds, and 8 processes share 2 cores).
 BATCHES = 5
-
-
-# Small all_reduce calls each rank process makes before its first timed row.
-WARMUP_CALLS = 500
 
 
 def _timed(run, iters: int) -> float:
@@ -190,7 +155,7 @@ def _rank_main(rank: int, n: int, backend: str, init: str, ops: list[str], sizes
     rows = []
     try:
         for op in ops:
-            if op == "send_recv" and n < 2:
+            if not runs_on(op, n):
                 continue
             for nbytes in sizes:
                 run, check, size_b = _make_op(op, nbytes, rank, n, dist, torch)
@@ -229,12 +194,12 @@ def _rank_main(rank: int, n: int, backend: str, init: str, ops: list[str], sizes
                 stat = torch.tensor([spent / calls, floor_spent / calls, 0.0 if ok else 1.0, switch_spent / calls],
                                     dtype=torch.float64)
                 dist.all_reduce(stat, op=dist.ReduceOp.MAX)
-                row = {"op": op, "bytes": size_b, "time_us": stat[0].item() * 1e6, "wrong": int(stat[2].item())}
+                r = row(op, size_b, stat[0].item(), stat[2].item() == 0)
                 if floor_run is not None:
-                    row["floor_us"] = stat[1].item() * 1e6
+                    r["floor_us"] = stat[1].item() * 1e6
                 if switch_run is not None:
-                    row["switch_floor_us"] = stat[3].item() * 1e6
-                rows.append(row)
+                    r["switch_floor_us"] = stat[3].item() * 1e6
+                rows.append(r)
     finally:
         dist.destroy_process_group()
     if rank == 0:
@@ -269,62 +234,6 @@ def run_torch_backend(backend: str, n: int, ops: list[str], sizes: list[int], ti
 MPI_HINT = ("install it with ./scripts/install-mpi-peer.sh: Debian's openmpi-bin + libopenmpi-dev and PyPI's "
             "mpi4py==4.1.2 into the project venv")
 
-_MPI_SCRIPT = r"""
-import json, sys, time
-import numpy as np
-from mpi4py import MPI
-comm = MPI.COMM_WORLD
-rank, n = comm.Get_rank(), comm.Get_size()
-ops, sizes, BUDGET = json.loads(sys.argv[1]), json.loads(sys.argv[2]), float(sys.argv[3])
-def iters_for(b):
-    return (50, 1000) if b <= 64 << 10 else ((5, 40) if b <= 4 << 20 else (2, 8))
-w_in, w_out = np.ones(2, np.float32), np.empty(2, np.float32)
-for _ in range(500):  # warm-up before the first row, as for the torch backends
-    comm.Allreduce(w_in, w_out, op=MPI.SUM)
-rows = []
-for op in ops:
-    if op == "send_recv" and n < 2:
-        continue
-    for nbytes in sizes:
-        count = max(1, nbytes // 4); per = max(1, count // n)
-        if op == "all_reduce":
-            x = np.full(count, rank + 1.0, np.float32); out = np.empty_like(x); size_b = count * 4
-            run = lambda: comm.Allreduce(x, out, op=MPI.SUM); check = lambda: bool(np.all(out == n * (n + 1) / 2))
-        elif op == "all_gather":
-            x = np.full(per, float(rank), np.float32); out = np.empty(per * n, np.float32); size_b = per * n * 4
-            exp = np.repeat(np.arange(n, dtype=np.float32), per)
-            run = lambda: comm.Allgather(x, out); check = lambda: bool(np.array_equal(out, exp))
-        elif op == "reduce_scatter":
-            x = np.full(per * n, rank + 1.0, np.float32); out = np.empty(per, np.float32); size_b = per * n * 4
-            run = lambda: comm.Reduce_scatter_block(x, out, op=MPI.SUM)
-            check = lambda: bool(np.all(out == n * (n + 1) / 2))
-        elif op == "all_to_all":
-            x = np.full(per * n, float(rank), np.float32); out = np.empty(per * n, np.float32); size_b = per * n * 4
-            exp = np.repeat(np.arange(n, dtype=np.float32), per)
-            run = lambda: comm.Alltoall(x, out); check = lambda: bool(np.array_equal(out, exp))
-        elif op == "broadcast":
-            x = np.full(count, 7.0 if rank == 0 else 0.0, np.float32); size_b = count * 4
-            run = lambda: comm.Bcast(x, root=0); check = lambda: bool(np.all(x == 7.0))
-        else:
-            x = np.full(count, float(rank), np.float32); out = np.empty(count, np.float32); size_b = count * 4
-            run = lambda: comm.Sendrecv(x, (rank + 1) % n, 0, out, (rank - 1) % n, 0)
-            check = lambda: bool(np.all(out == float((rank - 1) % n)))
-        warm, iters = iters_for(nbytes)
-        t0 = time.perf_counter()
-        for _ in range(warm):
-            run()
-        w = comm.allreduce((time.perf_counter() - t0) / warm, op=MPI.MAX)
-        iters = max(5, min(iters, int(BUDGET / max(w, 1e-9))))
-        ok = check(); comm.Barrier(); t0 = time.perf_counter()
-        for _ in range(iters):
-            run()
-        dt = (time.perf_counter() - t0) / iters
-        dt = comm.allreduce(dt, op=MPI.MAX); wrong = comm.allreduce(0 if ok else 1, op=MPI.MAX)
-        rows.append({"op": op, "bytes": size_b, "time_us": dt * 1e6, "wrong": wrong})
-if rank == 0:
-    print("T3D_BENCH_ROWS " + json.dumps(rows))
-"""
-
 
 def mpi_available() -> str | None:
     """None when Open MPI + mpi4py can run here, else why not."""
@@ -338,22 +247,14 @@ def mpi_available() -> str | None:
 
 
 def run_mpi(n: int, ops: list[str], sizes: list[int], timeout: float) -> list[dict]:
-    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
-        f.write(_MPI_SCRIPT)
-        script = f.name
-    cmd = ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(n)]
-    if os.geteuid() == 0:
-        cmd.append("--allow-run-as-root")
-    cmd += [sys.executable, script, json.dumps(ops), json.dumps(sizes), str(ROW_BUDGET_S)]
+    """The rows of mpi_peer.py run under mpirun on n ranks (each rank's loop mirrors _rank_main's)."""
     env = dict(os.environ, OMPI_MCA_btl="self,vader", OMP_NUM_THREADS="1")
-    try:
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    finally:
-        os.unlink(script)
-    for line in res.stdout.splitlines():
-        if line.startswith("T3D_BENCH_ROWS "):
-            return json.loads(line[len("T3D_BENCH_ROWS "):])
-    raise RuntimeError(f"mpirun failed (exit {res.returncode}): {res.stderr.strip()[-500:]}")
+    res = subprocess.run(mpi_peer.command(n, ops, sizes, ROW_BUDGET_S), capture_output=True, text=True,
+                         timeout=timeout, env=env)
+    rows = mpi_peer.parse_output(res.stdout)
+    if rows is None:
+        raise RuntimeError(f"mpirun failed (exit {res.returncode}): {res.stderr.strip()[-500:]}")
+    return rows
 
 
 # ---------------------------------------------------------------- reference: copy bandwidth
