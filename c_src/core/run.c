@@ -7,8 +7,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-static int is_half(t3d_dtype_t dt) { return dt == T3D_FLOAT16 || dt == T3D_BFLOAT16; }
-
 /* Runs allreduce, reduce or reduce_scatterv. The algorithms see plain SUM..BXOR on full-width types. */
 static t3d_result_t run_reducing(t3d_exec_t *ex, t3d_request_t *r, const t3d_coll_ops_t *c) {
   t3d_dtype_t dt = r->dtype;
@@ -32,24 +30,24 @@ static t3d_result_t run_reducing(t3d_exec_t *ex, t3d_request_t *r, const t3d_col
   } else {
     n_out = (r->kind == T3D_OP_REDUCE && me != r->root) ? 0 : n_in;
   }
-  t3d_dtype_t wdt = is_half(dt) ? T3D_FLOAT32 : dt;
+  t3d_dtype_t wdt = t3d__is_half(dt) ? T3D_FLOAT32 : dt;
   size_t wsize = t3d_dtype_size(wdt);
   const void *in = r->sendbuf;
   void *out = r->recvbuf;
   void *tmp_in = NULL, *tmp_out = NULL;
   t3d_result_t res = T3D_OK;
-  if (is_half(dt) || r->op == T3D_PREMUL_SUM) {
+  if (t3d__is_half(dt) || r->op == T3D_PREMUL_SUM) {
     tmp_in = malloc(n_in * wsize + 1);
     if (tmp_in == NULL) {
       res = T3D_ERR_NO_MEMORY;
       goto out;
     }
-    if (is_half(dt)) t3d__half_to_float(tmp_in, r->sendbuf, n_in, dt);
+    if (t3d__is_half(dt)) t3d__half_to_float(tmp_in, r->sendbuf, n_in, dt);
     else memcpy(tmp_in, r->sendbuf, n_in * wsize);
     if (r->op == T3D_PREMUL_SUM) t3d__scale(tmp_in, n_in, wdt, r->scalar);
     in = tmp_in;
   }
-  if (is_half(dt)) {
+  if (t3d__is_half(dt)) {
     if (r->kind == T3D_OP_ALLREDUCE) {
       out = tmp_in; /* in place on the float32 copy */
     } else {
@@ -68,7 +66,7 @@ static t3d_result_t run_reducing(t3d_exec_t *ex, t3d_request_t *r, const t3d_col
   }
   if (res != T3D_OK) goto out;
   if (r->op == T3D_AVG && n_out > 0) t3d__divide(out, n_out, wdt, ex->size);
-  if (is_half(dt) && n_out > 0) t3d__float_to_half(r->recvbuf, out, n_out, dt);
+  if (t3d__is_half(dt) && n_out > 0) t3d__float_to_half(r->recvbuf, out, n_out, dt);
 out:
   free(tmp_in);
   free(tmp_out);

@@ -1,5 +1,5 @@
 /* t3d_half.h: float16 and bfloat16 <-> float32, one element at a time, round to nearest even. Internal, not part of
- * the public API of t3d.h: header-only (static inline) so that libt3d (c_src/reduce.c: its bulk conversions are
+ * the public API of t3d.h: header-only (static inline) so that libt3d (c_src/base/reduce.c: its bulk conversions are
  * these in a loop, after the F16C loop where the CPU has one), the attention kernels library (which does not link
  * libt3d), the C tests (C and C++) and the benchmarks all convert with the same code, bit for bit.
  *

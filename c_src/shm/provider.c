@@ -7,8 +7,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-static int is_half(t3d_dtype_t dt) { return dt == T3D_FLOAT16 || dt == T3D_BFLOAT16; }
-
 /* Collectives and point-to-point of host memory when the segment exists; gather and scatter only in a build
  * without UCX (with it, the UCX algorithms serve them: they move each block once, to or from the root). */
 static int shm_fits(const t3d_comm_t *comm, const t3d_request_t *r) {
@@ -47,14 +45,14 @@ static int shm_start_fits(const t3d_comm_t *comm, const t3d_request_t *r) {
   size_t es = t3d_dtype_size(r->dtype), bytes = r->count * es, total, maxb;
   switch (r->kind) {
     case T3D_OP_ALLREDUCE:
-      if (bytes == 0 || bytes > (uint64_t)comm->inline_max || is_half(r->dtype) || r->op == T3D_PREMUL_SUM) return 0;
+      if (bytes == 0 || bytes > (uint64_t)comm->inline_max || t3d__is_half(r->dtype) || r->op == T3D_PREMUL_SUM) return 0;
       if (r->sendbuf != r->recvbuf && t3d__overlap(r->sendbuf, bytes, r->recvbuf, bytes)) return 0;
       return t3d__shm_oneshot_fits(comm->shm, bytes);
     case T3D_OP_BARRIER: return 1;
     case T3D_OP_BROADCAST:
       return bytes <= (uint64_t)comm->inline_max && t3d__shm_bcast_fits(comm->shm, bytes, r->root);
     case T3D_OP_REDUCE_SCATTERV:
-      if (is_half(r->dtype) || r->op == T3D_PREMUL_SUM || r->dtype == T3D_COMPLEX64 || r->dtype == T3D_COMPLEX128)
+      if (t3d__is_half(r->dtype) || r->op == T3D_PREMUL_SUM || r->dtype == T3D_COMPLEX64 || r->dtype == T3D_COMPLEX128)
         return 0;
       total = rcounts_bytes(r, comm->size, &maxb);
       if (total > (uint64_t)comm->inline_max) return 0;

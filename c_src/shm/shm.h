@@ -2,7 +2,7 @@
  * maps and unmaps it), the per-rank state, the flag protocol (sync.c: steps, phases, waits), single copy (direct.c:
  * reading a peer's memory), point-to-point (p2p.c) and the copy / reduce loops (copy.c). The collectives, one file
  * each (allreduce.c for allreduce and reduce, broadcast.c, allgather.c, reduce_scatter.c, alltoall.c, barrier.c),
- * are built from these and declared in t3d_internal.h. */
+ * are built from these and declared below; the engine reaches them only through provider.c's table. */
 #ifndef T3D_SHM_H
 #define T3D_SHM_H
 
@@ -102,6 +102,80 @@ struct t3d_shm {
   char name[64];
   int wake_pending; /* a t3d__shm_post_lazy has not checked for sleepers yet (t3d__shm_settle) */
 };
+
+/* ---------- the provider's operations (provider.c puts them in its table) ----------
+ * The collectives have the t3d_coll_ops_t signatures and contracts (c_src/provider.h). */
+/* Posts n sends and receives (host memory, in issue order) and runs a pass; completes what finished. */
+void t3d__shm_p2p_post(t3d_shm_p2p_t *p, t3d_request_t **reqs, int n);
+/* Runs a pass unless another thread is running one; returns how many requests completed. */
+int t3d__shm_p2p_progress(t3d_shm_p2p_t *p);
+/* Nonzero while some posted request has not completed. */
+int t3d__shm_p2p_active(t3d_shm_p2p_t *p);
+/* For a waiter on req with nothing left to poll: sleeps until a peer publishes something for this rank (or frees
+ * room it waits for), at most max_ns. */
+void t3d__shm_p2p_sleep(t3d_shm_p2p_t *p, const t3d_request_t *req, uint64_t max_ns);
+t3d_result_t t3d__shm_allreduce(t3d_exec_t *ex, const void *sendbuf, void *recvbuf, size_t count, t3d_dtype_t dt,
+                                t3d_redop_t op);
+t3d_result_t t3d__shm_reduce(t3d_exec_t *ex, const void *sendbuf, void *recvbuf, size_t count, t3d_dtype_t dt,
+                             t3d_redop_t op, int root);
+t3d_result_t t3d__shm_reduce_scatterv(t3d_exec_t *ex, const void *sendbuf, void *recvbuf, const size_t *counts,
+                                      t3d_dtype_t dt, t3d_redop_t op);
+t3d_result_t t3d__shm_broadcast(t3d_exec_t *ex, void *buf, size_t bytes, int root);
+t3d_result_t t3d__shm_allgatherv(t3d_exec_t *ex, const void *sendbuf, void *recvbuf, const size_t *bytes,
+                                 const size_t *displs_bytes);
+/* Counts and displacements in elements of es bytes; equal: blocks of one size at consecutive places (t3d_alltoall),
+ * as every rank was told. */
+t3d_result_t t3d__shm_alltoallv(t3d_exec_t *ex, const void *sendbuf, const size_t *scounts, const size_t *sdispls,
+                                void *recvbuf, const size_t *rcounts, const size_t *rdispls, size_t es, int equal);
+t3d_result_t t3d__shm_barrier(t3d_exec_t *ex);
+/* Collectives a caller starts on its own thread, in parts: start publishes what this rank contributes and never
+ * waits; start_wait waits until rank `who` (-1: every other rank) has published (T3D_OK), until `until`
+ * (t3d__now_ns; then T3D_IN_PROGRESS) or an error (abort, deadline); finish waits for the rest and completes. Between start and finish no other operation may
+ * run on the communicator. They take the same steps as the queued versions, so ranks may take either path.
+ *   allreduce: oneshot_*, when oneshot_fits says the size qualifies and the half is free; who = -1.
+ *   broadcast: bcast_*, when bcast_fits (one half; the root needs it free); the root is done after start; the
+ *              others wait for who = root.
+ *   barrier:   barrier_*; who = -1.
+ *   allgatherv: gather_*, when gather_fits (every block fits one half or is in the single-copy range; the next
+ *              half must be free); who = -1; counts and displacements in elements of es bytes. Single copy's
+ *              finish also waits until every peer has read this rank's block.
+ *   reduce_scatterv: rs_*, when rs_fits (one step; the half must be free) and the output does not overlap the
+ *              input; who = -1 (a rank whose own block is empty waits for nobody: finish right after start).
+ *   alltoallv: a2a_*, when a2a_fits (this rank's blocks to others fit one piece of a half, or are equal blocks
+ *              (equal: from t3d_alltoall) in the single-copy range; the next half must be free) and the receive
+ *              blocks do not overlap the send blocks; who = -1. Finish runs any further steps that peers with
+ *              larger blocks need, or, for single copy, waits until every peer has read this rank's blocks. */
+t3d_result_t t3d__shm_start_wait(t3d_exec_t *ex, const t3d_shm_resume_t *rs, int who, uint64_t until);
+int t3d__shm_oneshot_fits(t3d_shm_t *shm, size_t bytes);
+/* Asks for ownership of the lines a one-shot allreduce of `bytes` will write next, so that the transfer from the
+ * peer that read them last overlaps the call's set-up (a hint: it changes nothing). */
+void t3d__shm_oneshot_warm(t3d_shm_t *shm, size_t bytes);
+/* The same for the root of a broadcast of `bytes`. */
+void t3d__shm_bcast_warm(t3d_shm_t *shm, size_t bytes);
+t3d_result_t t3d__shm_oneshot_start(t3d_exec_t *ex, const void *sendbuf, size_t bytes, t3d_shm_resume_t *rs);
+t3d_result_t t3d__shm_oneshot_finish(t3d_exec_t *ex, const t3d_shm_resume_t *rs, const void *sendbuf, void *recvbuf,
+                                     size_t count, t3d_dtype_t dt, t3d_redop_t op);
+int t3d__shm_bcast_fits(t3d_shm_t *shm, size_t bytes, int root);
+t3d_result_t t3d__shm_bcast_start(t3d_exec_t *ex, const void *buf, size_t bytes, int root, t3d_shm_resume_t *rs);
+t3d_result_t t3d__shm_bcast_finish(t3d_exec_t *ex, const t3d_shm_resume_t *rs, void *buf, size_t bytes, int root);
+int t3d__shm_gather_fits(t3d_shm_t *shm, size_t total_bytes, size_t max_block_bytes);
+t3d_result_t t3d__shm_gather_start(t3d_exec_t *ex, const void *sendbuf, void *recvbuf, const size_t *counts,
+                                   const size_t *displs, size_t es, t3d_shm_resume_t *rs);
+t3d_result_t t3d__shm_gather_finish(t3d_exec_t *ex, const t3d_shm_resume_t *rs, void *recvbuf, const size_t *counts,
+                                    const size_t *displs, size_t es);
+int t3d__shm_rs_fits(t3d_shm_t *shm, size_t total_bytes, size_t max_block_bytes, size_t es);
+t3d_result_t t3d__shm_rs_start(t3d_exec_t *ex, const void *sendbuf, const size_t *counts, t3d_dtype_t dt,
+                               t3d_shm_resume_t *rs);
+t3d_result_t t3d__shm_rs_finish(t3d_exec_t *ex, const t3d_shm_resume_t *rs, const void *sendbuf, void *recvbuf,
+                                const size_t *counts, t3d_dtype_t dt, t3d_redop_t op);
+int t3d__shm_a2a_fits(t3d_shm_t *shm, size_t max_send_block_bytes, int equal);
+t3d_result_t t3d__shm_a2a_start(t3d_exec_t *ex, const void *sendbuf, const size_t *scounts, const size_t *sdispls,
+                                size_t es, int equal, t3d_shm_resume_t *rs);
+t3d_result_t t3d__shm_a2a_finish(t3d_exec_t *ex, const t3d_shm_resume_t *rs, const void *sendbuf,
+                                 const size_t *scounts, const size_t *sdispls, void *recvbuf, const size_t *rcounts,
+                                 const size_t *rdispls, size_t es, int equal);
+void t3d__shm_barrier_start(t3d_exec_t *ex, t3d_shm_resume_t *rs);
+t3d_result_t t3d__shm_barrier_finish(t3d_exec_t *ex, const t3d_shm_resume_t *rs);
 
 static inline _Atomic uint64_t *t3d__shm_flag(const t3d_shm_t *s, int p) {
   return (_Atomic uint64_t *)(void *)(s->ctrl + (size_t)p * T3D_SHM_CTRL_STRIDE);

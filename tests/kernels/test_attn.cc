@@ -16,23 +16,14 @@
 #include <vector>
 
 #include "t3d_attn.h"
+#include "t3d_half.h"
 
 namespace {
 
 const double kInf = std::numeric_limits<double>::infinity();
 
-uint16_t to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return (uint16_t)(u >> 16);
-}
-float from_bf16(uint16_t h) {
-  uint32_t u = (uint32_t)h << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+uint16_t to_bf16(float f) { return t3d__f32_to_bf16(f); }
+float from_bf16(uint16_t h) { return t3d__bf16_to_f32(h); }
 
 // A tensor in the kernel's dtype plus the exact double values it holds (inputs are rounded before the reference
 // sees them, so the reference and the kernel start from the same numbers).

@@ -96,7 +96,7 @@ KNOWN_DIFFERENCES = [
           "multiplies exactly, wrapping; another goes through double, truncated toward zero and saturated), then "
           "summed (wrapping); gloo raises, and so would NCCL (TypeError 'PreMulSum Data type must be half, float, "
           "bfloat16 or double'). bool is refused by t3d too",
-          "a deliberate t3d extension (c_src/reduce.c t3d__scale); checked against a reference with exactly those "
+          "a deliberate t3d extension (c_src/base/reduce.c t3d__scale); checked against a reference with exactly those "
           "semantics"),
     Known("gloo-avg-integer",
           lambda s: s.get("op") == "AVG" and s.get("dt") in INTS,
