@@ -47,6 +47,34 @@ t3d_shim::ProcessGroupT3D& asT3D(const c10::intrusive_ptr<c10d::Backend>& backen
   return *pg;
 }
 
+// libt3d's registry of environment variables (t3d_param_get), one dict per variable in declaration order: name,
+// type ("int", "str" or "bool"), reader, meaning, default (the value when unset, as text), default_shown (as the
+// README shows it), value (int for int and bool, str for str), value_text, env (the environment's text or None),
+// set, valid.
+py::list paramList() {
+  py::list out;
+  const int n = t3d_param_count();
+  for (int i = 0; i < n; ++i) {
+    t3d_param_t p;
+    if (t3d_param_get(i, &p) != T3D_OK) continue;
+    const char* type = p.type == T3D_PARAM_TYPE_STR ? "str" : p.type == T3D_PARAM_TYPE_BOOL ? "bool" : "int";
+    py::dict d;
+    d["name"] = p.name;
+    d["type"] = type;
+    d["reader"] = p.reader;
+    d["meaning"] = p.meaning;
+    d["default"] = p.default_text;
+    d["default_shown"] = p.default_shown;
+    d["value"] = p.type == T3D_PARAM_TYPE_STR ? py::object(py::str(p.value_text)) : py::object(py::int_(p.value));
+    d["value_text"] = p.value_text;
+    d["env"] = p.env_text != nullptr ? py::object(py::str(p.env_text)) : py::object(py::none());
+    d["set"] = p.is_set != 0;
+    d["valid"] = p.is_valid != 0;
+    out.append(d);
+  }
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_DECLARE_HOLDER_TYPE(T, NoGilPtr<T>, true)
@@ -93,6 +121,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     const char* nccl = t3d_nccl_version_string();
     d["nccl_version"] = nccl[0] ? py::object(py::str(nccl)) : py::object(py::none());
     d["nccl_error"] = t3d_nccl_load_error();
+    d["params"] = paramList();
     return d;
   });
+
+  m.def("_params", &paramList,
+        "The environment variables t3d reads, with their effective values (libt3d's registry, t3d_param_get).");
 }

@@ -12,7 +12,6 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 
-#include <cstdlib>
 #include <sstream>
 #include <thread>
 
@@ -282,10 +281,12 @@ const c10::TypePtr& tensorListType() {
   return kTensorList;
 }
 
+// T3D_CUDA_BLOCKING_WAIT, through libt3d's registry of parameters (declared in c_src/base/params.def): a BOOL, on
+// when set to a nonzero integer. Looked up once.
 bool blockingWait() {
   static const bool on = [] {
-    const char* v = std::getenv("T3D_CUDA_BLOCKING_WAIT");
-    return v != nullptr && v[0] == '1';
+    t3d_param_t p;
+    return t3d_param_find("T3D_CUDA_BLOCKING_WAIT", &p) == T3D_OK && p.value != 0;
   }();
   return on;
 }

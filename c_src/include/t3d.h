@@ -254,6 +254,41 @@ const char *t3d_build_features(void);
 const char *t3d_nccl_version_string(void);
 const char *t3d_nccl_load_error(void);
 
+/* ---------- parameters: the environment variables t3d reads ----------
+ * Every T3D_* variable that any part of t3d reads (libt3d, the torch shim, the attention kernels, the Python
+ * package) is declared once in libt3d's registry, with its type, default, meaning and reader; these calls list them
+ * with their effective values (`t3d.build_info()["params"]` and `python -m t3d` show the same). libt3d reads the
+ * environment once, at the first use of any parameter, and keeps those values for the life of the process: a later
+ * setenv() does not show here. Readers other than libt3d read the environment themselves (the attention kernels on
+ * every call); for them this reports what the environment held when libt3d read it. */
+typedef enum t3d_param_type {
+  T3D_PARAM_TYPE_INT = 0, /* an integer: strtoll with base 0 (0x.. hex, 0.. octal), no K/M suffixes */
+  T3D_PARAM_TYPE_STR = 1, /* text */
+  T3D_PARAM_TYPE_BOOL = 2 /* an integer read as off (0) or on (anything else) */
+} t3d_param_type_t;
+
+/* One variable. Every string is static or lives as long as the process, never NULL unless said. */
+typedef struct t3d_param {
+  const char *name;          /* "T3D_SHM_BYTES" */
+  t3d_param_type_t type;
+  const char *reader;        /* who reads it: "libt3d", "shim", "kernels" or "python" */
+  const char *meaning;       /* one line, Markdown */
+  const char *default_text;  /* the value when unset, as text: "2097152", "auto"; "" when there is none */
+  const char *default_shown; /* the default as the documentation shows it: "2 MiB", "stderr" */
+  const char *value_text;    /* the effective value, as text (integers in decimal) */
+  int64_t value;             /* INT and BOOL: the effective value; STR: 0 */
+  const char *env_text;      /* what the environment held, when set (non-empty); else NULL */
+  int is_set;                /* 1 when the environment sets it (non-empty), even to text that is not valid */
+  int is_valid;              /* 0 when it is set to something its type cannot parse: the default holds then */
+} t3d_param_t;
+
+/* How many variables the registry declares; t3d_param_get takes 0 .. count - 1, in declaration order. */
+int t3d_param_count(void);
+/* T3D_ERR_INVALID_ARG when index is out of range or out is NULL. */
+t3d_result_t t3d_param_get(int index, t3d_param_t *out);
+/* By name ("T3D_CUDA_BLOCKING_WAIT"); T3D_ERR_INVALID_ARG when t3d declares no such variable. */
+t3d_result_t t3d_param_find(const char *name, t3d_param_t *out);
+
 #ifdef __cplusplus
 }
 #endif

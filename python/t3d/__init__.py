@@ -58,8 +58,12 @@ def build_info() -> dict:
     a host work, over shared memory); `ucx_version`: the UCX library loaded, or None; `features`: what libt3d was
     built with (t3d_build_features(): ucx, shm, nccl, sanitize). `cuda`: the backend serves CUDA tensors (built
     against a CUDA torch); `nccl_version`: the NCCL those would use (loaded now if need be), or None with
-    `nccl_error` saying why."""
+    `nccl_error` saying why. `params`: every environment variable t3d reads, from libt3d's registry, with the value
+    in effect in this process: a list of dicts with name, value, default, set, meaning, reader and more
+    (t3d._params.params)."""
     import torch
+
+    from . import _params
 
     info = dict(_C._build_info())
     features = dict(word.split("=", 1) for word in info["features"].split() if "=" in word)
@@ -74,6 +78,7 @@ def build_info() -> dict:
         "nccl_version": info["nccl_version"],
         "nccl_error": info["nccl_error"] or None,
         "cpu_features": _cpu_features(),
+        "params": _params.params(info["params"]),
     }
 
 

@@ -1,9 +1,13 @@
 """`python -m t3d` (also `t3d-info`): what this t3d is and what it can use on this machine now.
 
 Prints the t3d version, the Python and torch it runs with, the torch its shim was built against, the features
-compiled in (`t3d.build_info()`), and the transports usable now, each probed cheaply: UCX (compiled in or not),
-POSIX shared memory (a small file in /dev/shm), cross-memory attach between processes (a child process reads a
-word of this one with process_vm_readv, as t3d's ranks do) and the NCCL library (loaded)."""
+compiled in (`t3d.build_info()`), the environment variables t3d reads with the values in effect, and the transports
+usable now, each probed cheaply: UCX (compiled in or not), POSIX shared memory (a small file in /dev/shm),
+cross-memory attach between processes (a child process reads a word of this one with process_vm_readv, as t3d's
+ranks do) and the NCCL library (loaded).
+
+`python -m t3d params` explains each environment variable; `--markdown` prints the README's table of them,
+`--update-readme README.md` rewrites it there (t3d._params)."""
 
 from __future__ import annotations
 
@@ -72,6 +76,7 @@ def report() -> str:
     import torch
 
     import t3d
+    from t3d import _params
 
     info = t3d.build_info()
     features = " ".join(f"{k}={v}" for k, v in info["features"].items())
@@ -83,6 +88,9 @@ def report() -> str:
     if info["torch_built"] != torch.__version__:
         lines.append("  warning: torch differs from the one the shim was built against; rebuild t3d")
     lines.append(f"compiled in: {features}; CUDA tensors: {'yes' if info['cuda'] else 'no'}")
+    lines.append("environment variables (value in effect, who reads it, where the value comes from; "
+                 "`python -m t3d params` says what each does):")
+    lines += ["  " + line for line in _params.describe(info["params"])]
 
     if info["ucx"]:
         ucx = (True, f"UCX {info['ucx_version']}: groups across hosts")
@@ -100,7 +108,18 @@ def report() -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["params"]:
+        import t3d  # noqa: F401  (loads libtorch before the extension)
+
+        from t3d import _params
+
+        return _params.main(argv[1:])
+    if argv:
+        print("usage: python -m t3d [params [--markdown | --update-readme PATH | --check-readme PATH]]",
+              file=sys.stderr)
+        return 2
     print(report())
     return 0
 

@@ -43,7 +43,8 @@ def test_python_m_t3d_reports_versions_features_and_transports():
     assert f"torch {torch.__version__}" in text, text
     assert f"built against torch {info['torch_built']}" in text, text
     assert f"ucx={info['features']['ucx']}" in text, text
-    usable = {line.split("  ")[1].strip(): line for line in text.splitlines() if line.startswith("  ")}
+    transports = text.split("transports usable now:\n", 1)[1]
+    usable = {line.split("  ")[1].strip(): line for line in transports.splitlines() if line.startswith("  ")}
     assert set(usable) == {"ucx", "shared memory", "cross-memory attach", "nccl"}, text
     assert (" yes " in usable["ucx"]) == info["ucx"], usable["ucx"]
     assert " yes " in usable["shared memory"], usable["shared memory"]
