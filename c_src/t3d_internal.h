@@ -38,9 +38,8 @@ void t3d__log(int level, const char *file, int line, const char *fmt, ...) __att
     }                                                                                \
   } while (0)
 
-/* ---------- typed, cached environment ---------- */
-int64_t t3d__env_int(const char *name, int64_t dflt);
-const char *t3d__env_str(const char *name, const char *dflt);
+/* ---------- the environment: every variable is declared in base/params.def and read through the registry ---------- */
+#include "base/params.h"
 
 /* ---------- types ---------- */
 /* float16 and bfloat16: reduced through float32 (c_src/base/reduce.c). */

@@ -1,5 +1,4 @@
-/* common.c: result strings, logging (T3D_DEBUG, T3D_DEBUG_FILE), typed cached environment getters, clocks and
- * message tags. */
+/* common.c: result strings, logging (T3D_DEBUG, T3D_DEBUG_FILE), clocks and message tags. */
 #include "t3d_internal.h"
 
 #include <pthread.h>
@@ -35,36 +34,19 @@ uint64_t t3d__now_ns(void) {
   return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
-int64_t t3d__env_int(const char *name, int64_t dflt) {
-  const char *s = getenv(name);
-  if (s == NULL || *s == '\0') return dflt;
-  char *end = NULL;
-  long long v = strtoll(s, &end, 0);
-  if (end == s || *end != '\0') {
-    T3D_WARN("ignoring %s=%s: not an integer", name, s);
-    return dflt;
-  }
-  return (int64_t)v;
-}
-
-const char *t3d__env_str(const char *name, const char *dflt) {
-  const char *s = getenv(name);
-  return (s != NULL && *s != '\0') ? s : dflt;
-}
-
 /* The level is read once: logging sits on hot paths and getenv is not free. */
 static int log_level = -1;
 static FILE *log_file;
 static pthread_once_t log_once = PTHREAD_ONCE_INIT;
 
 static void log_init(void) {
-  const char *s = t3d__env_str("T3D_DEBUG", "");
+  const char *s = t3d__param_str(T3D_PARAM_DEBUG);
   int level = T3D_LOG_NONE;
   if (strcasecmp(s, "WARN") == 0) level = T3D_LOG_WARN;
   else if (strcasecmp(s, "INFO") == 0) level = T3D_LOG_INFO;
   else if (strcasecmp(s, "TRACE") == 0) level = T3D_LOG_TRACE;
   log_file = stderr;
-  const char *path = t3d__env_str("T3D_DEBUG_FILE", NULL);
+  const char *path = t3d__param_str(T3D_PARAM_DEBUG_FILE);
   if (path != NULL) {
     char name[512];
     snprintf(name, sizeof name, "%s.%d", path, (int)getpid());
@@ -72,6 +54,13 @@ static void log_init(void) {
     if (f != NULL) log_file = f;
   }
   __atomic_store_n(&log_level, level, __ATOMIC_RELEASE);
+  /* The registry does not log (the logger reads it): a value that is not an integer is reported here, once. */
+  for (int i = 0; i < t3d_param_count() && level >= T3D_LOG_WARN; i++) {
+    t3d_param_t p;
+    if (t3d_param_get(i, &p) == T3D_OK && !p.is_valid) {
+      t3d__log(T3D_LOG_WARN, __FILE__, __LINE__, "ignoring %s=%s: not an integer", p.name, p.env_text);
+    }
+  }
 }
 
 int t3d__log_level(void) {

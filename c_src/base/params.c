@@ -48,7 +48,6 @@ typedef struct param_value {
   const char *text; /* the effective value as text: STR, env or the default (may be NULL); INT and BOOL, digits */
   int64_t num;      /* INT and BOOL: the effective value */
   int valid;        /* 0: env is set but is not an integer, so the default holds */
-  atomic_int warned; /* the "not an integer" warning was logged for this snapshot */
   char digits[24];  /* INT and BOOL: num in decimal */
 } param_value_t;
 
@@ -63,7 +62,7 @@ static pthread_once_t first_once = PTHREAD_ONCE_INIT;
 static char default_digits[T3D_PARAM_ID_COUNT][24]; /* INT and BOOL defaults as text, set with the first reading */
 static pthread_mutex_t reload_mu = PTHREAD_MUTEX_INITIALIZER; /* one reload at a time */
 
-/* t3d__env_int's parse (common.c), without its warning: strtoll with base 0, so "0x10" is 16 and "010" is 8; no
+/* The parse (the logger warns about invalid text when it starts, common.c): strtoll with base 0, so "0x10" is 16 and "010" is 8; no
  * unit suffixes; leading white space is skipped (strtoll's rule), anything left after the digits makes the whole
  * text invalid. Returns 0 (and *out = dflt) for invalid text. */
 static int parse_int(const char *s, int64_t dflt, int64_t *out) {
@@ -117,17 +116,9 @@ static snapshot_t *snap(void) {
 
 static int valid_id(t3d_param_id_t id) { return (int)id >= 0 && (int)id < T3D_PARAM_ID_COUNT; }
 
-/* The warning t3d__env_int gave at each read of an invalid integer, given here once per snapshot. */
-static void warn_if_invalid(int i, param_value_t *v) {
-  if (v->valid || atomic_exchange_explicit(&v->warned, 1, memory_order_relaxed)) return;
-  T3D_WARN("ignoring %s=%s: not an integer", defs[i].name, v->env);
-}
-
 int64_t t3d__param_int(t3d_param_id_t id) {
   if (!valid_id(id) || defs[id].type == T3D_PARAM_TYPE_STR) return 0;
-  param_value_t *v = &snap()->v[id];
-  warn_if_invalid((int)id, v);
-  return v->num;
+  return snap()->v[id].num;
 }
 
 const char *t3d__param_str(t3d_param_id_t id) {
@@ -160,7 +151,6 @@ t3d_result_t t3d_param_get(int index, t3d_param_t *out) {
   const param_def_t *d = &defs[index];
   param_value_t *v = &snap()->v[index];
   int is_str = d->type == T3D_PARAM_TYPE_STR;
-  if (!is_str) warn_if_invalid(index, v);
   memset(out, 0, sizeof *out);
   out->name = d->name;
   out->type = d->type;

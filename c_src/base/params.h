@@ -3,55 +3,14 @@
  *
  * The registry reads the environment once, at the first call of any function below or of the public listing
  * (pthread_once), copies every value and keeps it, with whether the user set it, for the life of the process. The
- * integers are parsed exactly as t3d__env_int parses them (common.c): strtoll with base 0, empty text counts as
- * unset, text that is not a whole integer gives the default (and a warning when that variable is first read
- * through t3d__param_int or listed). What a negative value means stays with the caller.
+ * integers are parsed with strtoll, base 0; empty text counts as unset, text that is not a whole integer gives the
+ * default. What a negative value means stays with the caller.
  *
- * Reading never logs from t3d__param_str and t3d__param_is_set, so that the logger's own setup (common.c's
- * log_init, which runs inside a pthread_once) may use them; t3d__param_int may warn, so the logger must not.
+ * The registry never logs: the logger reads it (common.c's log_init, T3D_DEBUG and T3D_DEBUG_FILE) and reports
+ * the values that are not integers when it starts.
  *
- * ---- Call sites to switch (owner of the engine files, after merging) ----
- * Each line: the variable, where it is read today, and the call that replaces the read. The behaviour is the same
- * except that the value is read once per process instead of at every call.
- *
- *   T3D_DEBUG                   common.c:61   t3d__env_str("T3D_DEBUG", "")  -> t3d__param_str(T3D_PARAM_DEBUG)
- *                               (default "", never NULL)
- *   T3D_DEBUG_FILE              common.c:67   t3d__param_str(T3D_PARAM_DEBUG_FILE) (NULL when unset)
- *   T3D_SPIN_NS                 comm.c:95     budget()'s t3d__env_int(env, dflt): pass an id instead of (env, dflt),
- *                                             t3d__param_int(id); its callers comm.c:141, :145, :152
- *                                             (budget(&spin_ns / &running_spin_ns, T3D_PARAM_SPIN_NS))
- *                               comm.c:110    t3d__env_str("T3D_SPIN_NS", NULL) == NULL
- *                                             -> !t3d__param_is_set(T3D_PARAM_SPIN_NS)
- *   T3D_YIELD_NS                comm.c:132    budget(&yield_ns, T3D_PARAM_YIELD_NS)
- *                               comm.c:113    -> !t3d__param_is_set(T3D_PARAM_YIELD_NS)
- *   T3D_YIELD_NS_OVERSUBSCRIBED comm.c:114    t3d__param_int(T3D_PARAM_YIELD_NS_OVERSUBSCRIBED)
- *   T3D_SHM_P2P                 comm.c:999    t3d__param_int(T3D_PARAM_SHM_P2P) == 0
- *                               shm/shm.c:70  t3d__param_int(T3D_PARAM_SHM_P2P) != 0
- *   T3D_TIMEOUT_MS              comm.c:1053   t3d__param_int(T3D_PARAM_TIMEOUT_MS)
- *   T3D_INLINE_BYTES            comm.c:1056   t3d__param_int(T3D_PARAM_INLINE_BYTES)
- *   T3D_INLINE_WAIT_NS          comm.c:1058   t3d__param_int(T3D_PARAM_INLINE_WAIT_NS)
- *   T3D_TRANSPORT               comm.c:1061   t3d__param_str(T3D_PARAM_TRANSPORT) (default "auto")
- *   T3D_SHM_DIRECT_BYTES        shm/shm.c:101 t3d__param_int(T3D_PARAM_SHM_DIRECT_BYTES)
- *                               shm/shm.c:103 t3d__param_is_set(T3D_PARAM_SHM_DIRECT_BYTES)
- *   T3D_SHM_DIRECT_MAX_BYTES    shm/shm.c:102 t3d__param_int(T3D_PARAM_SHM_DIRECT_MAX_BYTES)
- *   T3D_SHM_ONESHOT_BYTES       shm/shm.c:220 t3d__param_int(T3D_PARAM_SHM_ONESHOT_BYTES)
- *   T3D_SHM_CHUNK_BYTES         shm/shm.c:223 t3d__param_int(T3D_PARAM_SHM_CHUNK_BYTES)
- *   T3D_SHM_NT_BYTES            shm/shm.c:225 t3d__param_int(T3D_PARAM_SHM_NT_BYTES)
- *   T3D_SHM_BYTES               shm/shm.c:260 t3d__param_int(T3D_PARAM_SHM_BYTES)
- *   T3D_SHM_P2P_EAGER_BYTES     shm/p2p.c:143 t3d__param_int(T3D_PARAM_SHM_P2P_EAGER_BYTES)
- *   T3D_ALGO_SMALL_BYTES        algo/ring.c:66 t3d__param_int(T3D_PARAM_ALGO_SMALL_BYTES) (its own cache, ring.c:62-71,
- *                                             can go: the registry caches)
- *   T3D_UCX_ERR_MODE            transport/ucx.c:128 t3d__param_str(T3D_PARAM_UCX_ERR_MODE) (default "none")
- *   T3D_NCCL_LIBRARY            nccl/nccl_load.c:29 t3d__param_str(T3D_PARAM_NCCL_LIBRARY) (default "libnccl.so.2")
- * Then t3d__env_int / t3d__env_str (common.c:38-53, t3d_internal.h:41-43) have no caller left and can go. The
- * defaults that the code also names must keep the registry's values: DEFAULT_RANK_BYTES (shm/shm.c:21, for
- * T3D_SHM_BYTES <= 0), T3D_SHM_DIRECT_MIN_DEFAULT and T3D_SHM_DIRECT_MAX_DEFAULT (shm/shm.h:218-219);
- * tests/python/test_params.py pins every default to the value the code had.
- *
- * Tests that change these variables inside one process must call t3d__param_reload() after their setenv/unsetenv
- * once the call sites read the registry: tests/c/test_comm.cc:187 and :191 (T3D_SHM_P2P, T3D_SHM_BYTES per case),
- * :417, :488, :497-498, :528-529 (T3D_INLINE_WAIT_NS, T3D_SHM_DIRECT_BYTES), tests/c/test_nccl.cc:44
- * (T3D_NCCL_LIBRARY, set before the first load).
+ * Every libt3d read of the environment goes through these functions (tests/python/test_params.py scans the
+ * sources); a test that changes a variable inside one process calls t3d__param_reload() after its setenv.
  *
  * Read elsewhere, and declared here with their reader: T3D_CUDA_BLOCKING_WAIT (shim/work_t3d.cpp, through
  * t3d_param_find), T3D_ATTN_ISA and T3D_ATTN_BF16DOT (kernels/attn_cpu.c, getenv on every call on purpose),

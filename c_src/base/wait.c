@@ -22,10 +22,10 @@ static _Atomic int64_t yield_ns = -1; /* -1: not decided yet */
 static _Atomic int64_t running_spin_ns = -1; /* t3d__backoff_poll_running: T3D_SPIN_NS even when the cores are full */
 static atomic_int oversubscribed;
 
-static int64_t budget(_Atomic int64_t *slot, const char *env, int64_t dflt) {
+static int64_t budget(_Atomic int64_t *slot, t3d_param_id_t id) {
   int64_t v = atomic_load_explicit(slot, memory_order_relaxed);
   if (v < 0) {
-    v = t3d__env_int(env, dflt);
+    v = t3d__param_int(id);
     if (v < 0) v = 0;
     int64_t expected = -1;
     atomic_compare_exchange_strong(slot, &expected, v);
@@ -40,11 +40,11 @@ void t3d__backoff_note_ranks(int local_ranks) {
   if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) < cpus) cpus = CPU_COUNT(&set);
   if (cpus <= 0 || local_ranks < cpus) return;
   /* Values the user set stay. */
-  if (t3d__env_str("T3D_SPIN_NS", NULL) == NULL) atomic_store_explicit(&spin_ns, 0, memory_order_relaxed);
+  if (!t3d__param_is_set(T3D_PARAM_SPIN_NS)) atomic_store_explicit(&spin_ns, 0, memory_order_relaxed);
   if (local_ranks == cpus) return;
   atomic_store(&oversubscribed, 1);
-  if (t3d__env_str("T3D_YIELD_NS", NULL) == NULL) {
-    atomic_store_explicit(&yield_ns, t3d__env_int("T3D_YIELD_NS_OVERSUBSCRIBED", 200000), memory_order_relaxed);
+  if (!t3d__param_is_set(T3D_PARAM_YIELD_NS)) {
+    atomic_store_explicit(&yield_ns, t3d__param_int(T3D_PARAM_YIELD_NS_OVERSUBSCRIBED), memory_order_relaxed);
   }
 }
 
@@ -62,7 +62,7 @@ static int backoff_step(uint64_t *since, uint64_t spin, int *spun) {
     if (spun != NULL) *spun = 1;
     return 0;
   }
-  if (idle < spin + (uint64_t)budget(&yield_ns, "T3D_YIELD_NS", 2000000)) {
+  if (idle < spin + (uint64_t)budget(&yield_ns, T3D_PARAM_YIELD_NS)) {
     sched_yield();
     return 0;
   }
@@ -71,18 +71,18 @@ static int backoff_step(uint64_t *since, uint64_t spin, int *spun) {
 
 int t3d__backoff_poll(t3d_backoff_t *b) {
   b->spun = 0;
-  return backoff_step(&b->since, (uint64_t)budget(&spin_ns, "T3D_SPIN_NS", 5000), &b->spun);
+  return backoff_step(&b->since, (uint64_t)budget(&spin_ns, T3D_PARAM_SPIN_NS), &b->spun);
 }
 
 int t3d_backoff_poll(uint64_t *since) {
-  return backoff_step(since, (uint64_t)budget(&spin_ns, "T3D_SPIN_NS", 5000), NULL);
+  return backoff_step(since, (uint64_t)budget(&spin_ns, T3D_PARAM_SPIN_NS), NULL);
 }
 
 int t3d__backoff_poll_running(t3d_backoff_t *b) {
   b->spun = 0;
   uint64_t now = t3d__now_ns();
   if (b->since == 0) b->since = now;
-  if (now - b->since < (uint64_t)budget(&running_spin_ns, "T3D_SPIN_NS", 5000)) {
+  if (now - b->since < (uint64_t)budget(&running_spin_ns, T3D_PARAM_SPIN_NS)) {
     for (int i = 0; i < 8; i++) __builtin_ia32_pause();
     b->spun = 1;
     return 0;

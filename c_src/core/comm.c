@@ -80,7 +80,7 @@ static t3d_result_t setup_shm(t3d_comm_t *comm, const char *want) {
     if (res == T3D_OK && comm->shm_p2p != NULL) comm->p2p_driver = &t3d__provider_shm;
     if (!T3D_HAVE_UCX && res == T3D_OK && comm->shm_p2p == NULL) {
       res = no_ucx(comm, T3D_ERR_UNSUPPORTED,
-                   t3d__env_int("T3D_SHM_P2P", 1) == 0
+                   t3d__param_int(T3D_PARAM_SHM_P2P) == 0
                        ? "point-to-point off the shared-memory segment (T3D_SHM_P2P=0)"
                        : "point-to-point off the shared-memory segment (T3D_SHM_P2P=0 on some rank, or a rank may "
                          "not read another's memory with process_vm_readv: seccomp, Yama ptrace_scope or users)");
@@ -134,15 +134,15 @@ t3d_result_t t3d_comm_init(t3d_comm_t **out, int rank, int size, const t3d_store
   t3d_config_t dflt;
   t3d_config_init(&dflt);
   if (cfg == NULL) cfg = &dflt;
-  comm->timeout_ms = cfg->timeout_ms > 0 ? cfg->timeout_ms : t3d__env_int("T3D_TIMEOUT_MS", 600000);
+  comm->timeout_ms = cfg->timeout_ms > 0 ? cfg->timeout_ms : t3d__param_int(T3D_PARAM_TIMEOUT_MS);
   snprintf(comm->name, sizeof comm->name, "%s", cfg->name ? cfg->name : "comm");
   snprintf(comm->prefix, sizeof comm->prefix, "%s", cfg->key_prefix ? cfg->key_prefix : "t3d");
-  comm->inline_max = cfg->inline_bytes >= -1 ? cfg->inline_bytes : t3d__env_int("T3D_INLINE_BYTES", 64 * 1024);
+  comm->inline_max = cfg->inline_bytes >= -1 ? cfg->inline_bytes : t3d__param_int(T3D_PARAM_INLINE_BYTES);
   if (comm->inline_max < -1) comm->inline_max = -1;
-  int64_t wait_ns = t3d__env_int("T3D_INLINE_WAIT_NS", 20000);
+  int64_t wait_ns = t3d__param_int(T3D_PARAM_INLINE_WAIT_NS);
   comm->inline_wait_ns = wait_ns > 0 ? (uint64_t)wait_ns : 0;
 
-  const char *want = cfg->transport ? cfg->transport : t3d__env_str("T3D_TRANSPORT", "auto");
+  const char *want = cfg->transport ? cfg->transport : t3d__param_str(T3D_PARAM_TRANSPORT);
   snprintf(comm->transport, sizeof comm->transport, "%s", want);
   t3d_result_t res = pick_transport(comm, want);
   if (res == T3D_OK) res = comm->tp->init(comm, &comm->tp_state);

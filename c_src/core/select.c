@@ -18,7 +18,7 @@ static const t3d_provider_t *chosen[NALL + 1];
 static pthread_once_t chosen_once = PTHREAD_ONCE_INIT;
 
 static void choose(void) {
-  const char *want = t3d__env_str("T3D_PROVIDERS", NULL);
+  const char *want = t3d__param_str(T3D_PARAM_PROVIDERS);
   int n = 0;
   if (want == NULL) {
     for (int i = 0; i < NALL; i++) chosen[n++] = all[i];

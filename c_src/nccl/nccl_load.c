@@ -26,7 +26,7 @@ static int resolve(void *lib, const char *name, void *slot) {
 }
 
 static void load(void) {
-  const char *path = t3d__env_str("T3D_NCCL_LIBRARY", "libnccl.so.2");
+  const char *path = t3d__param_str(T3D_PARAM_NCCL_LIBRARY);
   void *lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
   if (lib == NULL) {
     const char *why = dlerror();

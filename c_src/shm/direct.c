@@ -29,7 +29,7 @@ static int cma_works(int pid, unsigned long long addr) {
  * point-to-point over shared memory (T3D_SHM_P2P, default 1). */
 int t3d__shm_probe_bits(int pid, unsigned long long addr) {
   if (!cma_works(pid, addr)) return 0;
-  return T3D_SHM_PROBE_CMA | (t3d__env_int("T3D_SHM_P2P", 1) != 0 ? T3D_SHM_PROBE_P2P : 0);
+  return T3D_SHM_PROBE_CMA | (t3d__param_int(T3D_PARAM_SHM_P2P) != 0 ? T3D_SHM_PROBE_P2P : 0);
 }
 
 int t3d__shm_cma_read(int self_pid, int pid, void *dst, uint64_t addr, size_t len) {
@@ -71,9 +71,9 @@ int t3d__shm_cma_read(int self_pid, int pid, void *dst, uint64_t addr, size_t le
  * 8 ranks 1.4-1.5x faster for 32-512 KiB blocks, even at 1 MiB, slower at 2 MiB; 4 ranks faster up to 2 MiB; and
  * 2 ranks with a core each lose past 8 MiB: the same 32 MiB). docs/architecture.md, "Single copy". */
 void t3d__shm_direct_ranges(t3d_shm_t *s, int n, int cma) {
-  int64_t lo = t3d__env_int("T3D_SHM_DIRECT_BYTES", T3D_SHM_DIRECT_MIN_DEFAULT);
-  int64_t hi = t3d__env_int("T3D_SHM_DIRECT_MAX_BYTES", T3D_SHM_DIRECT_MAX_DEFAULT);
-  int asked = t3d__env_str("T3D_SHM_DIRECT_BYTES", NULL) != NULL;
+  int64_t lo = t3d__param_int(T3D_PARAM_SHM_DIRECT_BYTES);
+  int64_t hi = t3d__param_int(T3D_PARAM_SHM_DIRECT_MAX_BYTES);
+  int asked = t3d__param_is_set(T3D_PARAM_SHM_DIRECT_BYTES);
   int over = t3d__oversubscribed();
   int direct = cma && (asked || !over) && lo > 0 && hi >= lo;
   s->direct_min = direct ? (size_t)lo : 0;

@@ -140,7 +140,7 @@ void t3d__shm_p2p_sizes(int n, size_t *eager, unsigned *slots) {
   /* 8 slots per pair; the eager size shrinks with the number of pairs, so that the rings of a communicator stay
    * near 4 MiB (8 ranks: 4 KiB messages go eagerly; 64 ranks: 64 bytes). */
   *slots = 8;
-  int64_t want = t3d__env_int("T3D_SHM_P2P_EAGER_BYTES", -1);
+  int64_t want = t3d__param_int(T3D_PARAM_SHM_P2P_EAGER_BYTES);
   size_t e;
   if (want >= 0) {
     e = (size_t)want;

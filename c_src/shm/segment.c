@@ -150,12 +150,12 @@ static t3d_result_t attach_segment(t3d_shm_t *s, char *err, size_t errlen) {
 }
 
 static void read_tuning(t3d_shm_t *s) {
-  int64_t v = t3d__env_int("T3D_SHM_ONESHOT_BYTES", 64 * 1024);
+  int64_t v = t3d__param_int(T3D_PARAM_SHM_ONESHOT_BYTES);
   s->oneshot_max = v < 0 ? 0 : (size_t)v;
   if (s->oneshot_max > s->half) s->oneshot_max = s->half;
-  v = t3d__env_int("T3D_SHM_CHUNK_BYTES", 0);
+  v = t3d__param_int(T3D_PARAM_SHM_CHUNK_BYTES);
   s->chunk = v > 0 && (size_t)v < s->half ? (size_t)v : s->half;
-  v = t3d__env_int("T3D_SHM_NT_BYTES", 4 << 20);
+  v = t3d__param_int(T3D_PARAM_SHM_NT_BYTES);
   s->nt_min = v <= 0 ? SIZE_MAX : (size_t)v;
   s->nt = t3d__shm_nt_available();
   /* As many ranks as cores: no blind spinning, but a peer seen running on another core is worth a short spin. */
@@ -189,7 +189,7 @@ t3d_result_t t3d__shm_init(t3d_comm_t *comm, t3d_shm_t **out) {
     goto fail;
   }
   if (comm->rank == 0) {
-    int64_t want = t3d__env_int("T3D_SHM_BYTES", DEFAULT_RANK_BYTES);
+    int64_t want = t3d__param_int(T3D_PARAM_SHM_BYTES);
     t3d_result_t cres = create_segment(comm, s, want > 0 ? (size_t)want : DEFAULT_RANK_BYTES, err, sizeof err);
     char msg[720];
     if (cres == T3D_OK) {

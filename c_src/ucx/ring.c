@@ -60,14 +60,8 @@ t3d_result_t t3d__algo_xchg(t3d_exec_t *ex, uint32_t step, int dst, const void *
 }
 
 size_t t3d__algo_small_bytes(void) {
-  static int64_t cached = -1; /* a benign race: every thread reads the same value */
-  int64_t v = __atomic_load_n(&cached, __ATOMIC_RELAXED);
-  if (v < 0) {
-    v = t3d__env_int("T3D_ALGO_SMALL_BYTES", 65536);
-    if (v < 0) v = 0;
-    __atomic_store_n(&cached, v, __ATOMIC_RELAXED);
-  }
-  return (size_t)v;
+  int64_t v = t3d__param_int(T3D_PARAM_ALGO_SMALL_BYTES);
+  return v < 0 ? 0 : (size_t)v;
 }
 
 t3d_result_t t3d__ring_reduce_scatter(t3d_exec_t *ex, const void *sendbuf, void *out, const size_t *counts,

@@ -125,7 +125,7 @@ static t3d_result_t ucx_init(t3d_comm_t *comm, void **state) {
     res = T3D_ERR_NO_MEMORY;
     goto fail;
   }
-  int peer_mode = strcmp(t3d__env_str("T3D_UCX_ERR_MODE", "none"), "peer") == 0;
+  int peer_mode = strcmp(t3d__param_str(T3D_PARAM_UCX_ERR_MODE), "peer") == 0;
   for (int p = 0; p < comm->size; p++) {
     void *remote = NULL;
     size_t len = 0;

@@ -2,6 +2,8 @@
 // harness_values.cc).
 #include "harness.h"
 
+#include "base/params.h"
+
 #include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -49,6 +51,16 @@ class SkipWithoutUcx : public ::testing::Environment {
 };
 ::testing::Environment *const kSkipWithoutUcx = ::testing::AddGlobalTestEnvironment(new SkipWithoutUcx);
 }  // namespace
+
+void SetEnv(const char *name, const char *value) {
+  setenv(name, value, 1);
+  t3d__param_reload();
+}
+
+void UnsetEnv(const char *name) {
+  unsetenv(name);
+  t3d__param_reload();
+}
 
 std::string UniqueName(const std::string &tag) {
   static std::atomic<uint64_t> counter{0};

@@ -23,6 +23,11 @@ int64_t TestTimeoutMs();
 // Without it, a test binary run with T3D_TRANSPORT=ucx (test_coll_ucx, test_p2p_ucx) skips all its tests.
 bool HasUcx();
 
+// setenv / unsetenv of a variable t3d reads, then t3d__param_reload(): libt3d reads its environment once per process
+// (c_src/base/params.c), so a test that changes it in between must say so.
+void SetEnv(const char *name, const char *value);
+void UnsetEnv(const char *name);
+
 // A name no other run in this process (or, through the pid, in another process) uses.
 std::string UniqueName(const std::string &tag);
 

@@ -184,11 +184,11 @@ TEST(Comm, WhatNeedsUcxFailsAtInitWithoutIt) {
   for (const Case &c : cases) {
     SCOPED_TRACE(c.what);
     const size_t eq = c.env.find('=');
-    if (!c.env.empty()) setenv(c.env.substr(0, eq).c_str(), c.env.substr(eq + 1).c_str(), 1);
+    if (!c.env.empty()) SetEnv(c.env.substr(0, eq).c_str(), c.env.substr(eq + 1).c_str());
     MemStore mem;
     OtherHostsStore other;
     const auto results = InitEach(2, c.other_hosts ? other.store() : mem.store(), c.transport);
-    if (!c.env.empty()) unsetenv(c.env.substr(0, eq).c_str());
+    if (!c.env.empty()) UnsetEnv(c.env.substr(0, eq).c_str());
     for (int r = 0; r < 2; ++r) {
       const std::string &text = results[r].second;
       if (c.fails_with_ucx) {
@@ -414,7 +414,7 @@ TEST(Comm, SmallCollectivesRunInline) {
   const int n = 4;
   // Peers get all the time they need to arrive, so that "done on return" does not depend on scheduling. Read when
   // a communicator is created: the split below sees it, the other tests do not.
-  setenv("T3D_INLINE_WAIT_NS", "600000000000", 1);
+  SetEnv("T3D_INLINE_WAIT_NS", "600000000000");
   RunRanks(n, [&](int rank, t3d_comm_t *a) {
     if (std::string(t3d_comm_transport(a)).find("shm") == std::string::npos) GTEST_SKIP() << "no shared memory";
     t3d_comm_t *b = nullptr;
@@ -485,7 +485,7 @@ TEST(Comm, SmallCollectivesRunInline) {
     if (!HostBarrier()) return;
     EXPECT_EQ(t3d_comm_destroy(b), T3D_OK);
   });
-  unsetenv("T3D_INLINE_WAIT_NS");
+  UnsetEnv("T3D_INLINE_WAIT_NS");
 }
 
 // Allgather and alltoall blocks that are read straight from their owner (single copy; T3D_SHM_DIRECT_BYTES=1 puts
@@ -494,8 +494,8 @@ TEST(Comm, SmallCollectivesRunInline) {
 // on every iteration.
 TEST(Comm, SmallSingleCopyCollectivesRunInline) {
   const int n = 3;
-  setenv("T3D_INLINE_WAIT_NS", "600000000000", 1);
-  setenv("T3D_SHM_DIRECT_BYTES", "1", 1);
+  SetEnv("T3D_INLINE_WAIT_NS", "600000000000");
+  SetEnv("T3D_SHM_DIRECT_BYTES", "1");
   RunRanks(n, [&](int rank, t3d_comm_t *c) {
     if (std::string(t3d_comm_transport(c)).find("shm") == std::string::npos) GTEST_SKIP() << "no shared memory";
     for (int it = 0; it < 50; ++it) {
@@ -525,8 +525,8 @@ TEST(Comm, SmallSingleCopyCollectivesRunInline) {
       }
     }
   });
-  unsetenv("T3D_SHM_DIRECT_BYTES");
-  unsetenv("T3D_INLINE_WAIT_NS");
+  UnsetEnv("T3D_SHM_DIRECT_BYTES");
+  UnsetEnv("T3D_INLINE_WAIT_NS");
 }
 
 // ---------- argument checking ----------

@@ -80,12 +80,12 @@ struct ChildArgs {
 // error.
 [[noreturn]] void ChildMain(const ChildArgs &a) {
   if (!a.log.empty()) {
-    setenv("T3D_DEBUG", "INFO", 1);
-    setenv("T3D_DEBUG_FILE", a.log.c_str(), 1);
+    SetEnv("T3D_DEBUG", "INFO");
+    SetEnv("T3D_DEBUG_FILE", a.log.c_str());
   }
   // Single copy of allgather blocks is off by default with more ranks than cores (3 here on 2 cores); setting the
   // size turns it on for both allgather and alltoall.
-  if (!a.default_ranges) setenv("T3D_SHM_DIRECT_BYTES", "65536", 1);
+  if (!a.default_ranges) SetEnv("T3D_SHM_DIRECT_BYTES", "65536");
   FileStore store(a.dir);
   t3d_config_t cfg;
   t3d_config_init(&cfg);

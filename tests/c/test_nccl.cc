@@ -41,7 +41,7 @@ FakeNccl &Fake() {
 class FakeNcclEnvironment : public ::testing::Environment {
  public:
   void SetUp() override {
-    setenv("T3D_NCCL_LIBRARY", T3D_FAKE_NCCL_PATH, 1);
+    SetEnv("T3D_NCCL_LIBRARY", T3D_FAKE_NCCL_PATH);
     ASSERT_TRUE(Fake().Open(T3D_FAKE_NCCL_PATH)) << Fake().error;
   }
 };

@@ -1,5 +1,5 @@
 // test_params.cc: the registry of environment variables (c_src/base/params.c): names match their ids, integers
-// parse exactly as t3d__env_int parses them, the environment is read once (and again on t3d__param_reload), strings
+// parse with strtoll base 0 (as the environment was always read), the environment is read once (and again on t3d__param_reload), strings
 // outlive the environment's, and the public listing (t3d_param_count / get / find) says the same as the getters.
 // This binary changes the environment of its own process only.
 #include <gtest/gtest.h>
@@ -14,12 +14,6 @@
 
 #include "base/params.h"
 #include "t3d.h"
-
-// t3d_internal.h uses C11 atomics that C++17 cannot parse: the getters the registry must agree with are repeated.
-extern "C" {
-int64_t t3d__env_int(const char *name, int64_t dflt);
-const char *t3d__env_str(const char *name, const char *dflt);
-}
 
 namespace {
 
@@ -68,11 +62,19 @@ TEST(Params, NamesMatchIdsAndTheListingOrder) {
 #undef T3D_PARAM
 }
 
-// Every text t3d__env_int has an opinion on: base prefixes, signs, white space, suffixes, overflow, empty.
-TEST(Params, IntegersParseAsEnvIntDoes) {
-  const char *texts[] = {"0",   "42",    "-1",   "-2",   "0x10",  "0X1f", "010",  "08",   "12k",     "4M",
-                         " 5",  "5 ",    "+7",   "abc",  "",      "-",    "0x",   "1e3",  "1.5",     "\t9",
-                         "99999999999999999999", "-99999999999999999999", "9223372036854775807"};
+// Every text the parse has an opinion on: base prefixes, signs, white space, suffixes, overflow, empty. kDefault:
+// the text is not a whole integer (or empty), so the default holds. This is how the environment was always read
+// (strtoll with base 0, nothing left over; no range check).
+constexpr int64_t kDefault = INT64_MIN + 1;
+TEST(Params, IntegersParseAsStrtollBase0) {
+  const struct {
+    const char *text;
+    int64_t want;
+  } texts[] = {{"0", 0}, {"42", 42}, {"-1", -1}, {"-2", -2}, {"0x10", 16}, {"0X1f", 31}, {"010", 8},
+               {"08", kDefault}, {"12k", kDefault}, {"4M", kDefault}, {" 5", 5}, {"5 ", kDefault}, {"+7", 7},
+               {"abc", kDefault}, {"", kDefault}, {"-", kDefault}, {"0x", kDefault}, {"1e3", kDefault},
+               {"1.5", kDefault}, {"\t9", 9}, {"99999999999999999999", INT64_MAX},
+               {"-99999999999999999999", INT64_MIN}, {"9223372036854775807", INT64_MAX}};
   const struct {
     t3d_param_id_t id;
     const char *name;
@@ -81,17 +83,17 @@ TEST(Params, IntegersParseAsEnvIntDoes) {
               {T3D_PARAM_SHM_P2P_EAGER_BYTES, "T3D_SHM_P2P_EAGER_BYTES", -1},
               {T3D_PARAM_SHM_P2P, "T3D_SHM_P2P", 1}};
   for (const auto &v : vars) {
-    for (const char *text : texts) {
-      SCOPED_TRACE(std::string(v.name) + "='" + text + "'");
-      SetAndReload(v.name, text);
-      EXPECT_EQ(t3d__param_int(v.id), t3d__env_int(v.name, v.dflt));
-      EXPECT_EQ(t3d__param_is_set(v.id) != 0, t3d__env_str(v.name, nullptr) != nullptr);
+    for (const auto &t : texts) {
+      SCOPED_TRACE(std::string(v.name) + "='" + t.text + "'");
+      SetAndReload(v.name, t.text);
+      EXPECT_EQ(t3d__param_int(v.id), t.want == kDefault ? v.dflt : t.want);
+      EXPECT_EQ(t3d__param_is_set(v.id) != 0, t.text[0] != '\0');
       t3d_param_t p;
       ASSERT_EQ(t3d_param_get(v.id, &p), T3D_OK);
       EXPECT_EQ(p.value, t3d__param_int(v.id));
       EXPECT_EQ(std::to_string(p.value), p.value_text);
-      EXPECT_EQ(p.is_set != 0, text[0] != '\0');
-      if (p.is_set) EXPECT_STREQ(p.env_text, text);
+      EXPECT_EQ(p.is_set != 0, t.text[0] != '\0');
+      if (p.is_set) EXPECT_STREQ(p.env_text, t.text);
       else EXPECT_EQ(p.env_text, nullptr);
     }
     SetAndReload(v.name, nullptr);
@@ -126,7 +128,7 @@ TEST(Params, StringsAsEnvStrGivesThem) {
   EXPECT_STREQ(t3d__param_str(T3D_PARAM_TRANSPORT), "ucx");
   EXPECT_TRUE(t3d__param_is_set(T3D_PARAM_TRANSPORT));
   SetAndReload("T3D_TRANSPORT", nullptr);
-  // No default: NULL, as t3d__env_str("T3D_DEBUG_FILE", NULL) gave; the listing shows "".
+  // No default: NULL, the way it was always read; the listing shows "".
   SetAndReload("T3D_DEBUG_FILE", nullptr);
   EXPECT_EQ(t3d__param_str(T3D_PARAM_DEBUG_FILE), nullptr);
   EXPECT_STREQ(t3d__param_str(T3D_PARAM_DEBUG), "");

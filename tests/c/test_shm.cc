@@ -33,8 +33,8 @@ const unsigned char kFill = 0xA5;
 const std::string kLogPath = "/tmp/t3d-test-shm-log";
 const bool kLogSet = [] {
   if (getenv("T3D_DEBUG") == nullptr) {
-    setenv("T3D_DEBUG", "WARN", 1);
-    setenv("T3D_DEBUG_FILE", kLogPath.c_str(), 1);
+    SetEnv("T3D_DEBUG", "WARN");
+    SetEnv("T3D_DEBUG_FILE", kLogPath.c_str());
   }
   return true;
 }();
@@ -107,17 +107,17 @@ class Shm : public ::testing::TestWithParam<Param> {
  protected:
   void SetUp() override {
     if (GetParam().tiny) {
-      setenv("T3D_SHM_BYTES", "131072", 1);
-      setenv("T3D_SHM_ONESHOT_BYTES", "0", 1);
-      setenv("T3D_SHM_NT_BYTES", "1", 1);
+      SetEnv("T3D_SHM_BYTES", "131072");
+      SetEnv("T3D_SHM_ONESHOT_BYTES", "0");
+      SetEnv("T3D_SHM_NT_BYTES", "1");
     }
-    if (GetParam().direct) setenv("T3D_SHM_DIRECT_BYTES", "1", 1);
+    if (GetParam().direct) SetEnv("T3D_SHM_DIRECT_BYTES", "1");
   }
   void TearDown() override {
-    unsetenv("T3D_SHM_BYTES");
-    unsetenv("T3D_SHM_ONESHOT_BYTES");
-    unsetenv("T3D_SHM_NT_BYTES");
-    unsetenv("T3D_SHM_DIRECT_BYTES");
+    UnsetEnv("T3D_SHM_BYTES");
+    UnsetEnv("T3D_SHM_ONESHOT_BYTES");
+    UnsetEnv("T3D_SHM_NT_BYTES");
+    UnsetEnv("T3D_SHM_DIRECT_BYTES");
   }
 };
 
@@ -760,7 +760,7 @@ TEST(ShmFailure, SizeMismatchIsReported) {
 // from the sender (single copy). The sender's own blocks all arrive as it expects: it may complete.
 TEST(ShmFailure, AlltoallvSplitMismatchIsReported) {
   for (const char *direct : {"0", "1"}) {
-    setenv("T3D_SHM_DIRECT_BYTES", direct, 1);
+    SetEnv("T3D_SHM_DIRECT_BYTES", direct);
     RunOptions o;
     o.comm_timeout_ms = 1000;
     o.abort_on_failure = false;
@@ -782,7 +782,7 @@ TEST(ShmFailure, AlltoallvSplitMismatchIsReported) {
       }
     }, o);
   }
-  unsetenv("T3D_SHM_DIRECT_BYTES");
+  UnsetEnv("T3D_SHM_DIRECT_BYTES");
 }
 
 // A segment larger than /dev/shm can hold fails init at once with T3D_ERR_NO_MEMORY and a reason naming /dev/shm and
@@ -793,7 +793,7 @@ TEST(ShmFailure, SegmentTooLargeFailsInitClearly) {
   const unsigned long long limit = static_cast<unsigned long long>(fs.f_blocks) * fs.f_frsize;
   if (limit > (1ull << 42)) GTEST_SKIP() << "/dev/shm is too large to exceed safely";
   // tmpfs refuses an fallocate beyond its size up front, before reserving anything.
-  setenv("T3D_SHM_BYTES", std::to_string(limit).c_str(), 1);
+  SetEnv("T3D_SHM_BYTES", std::to_string(limit).c_str());
   MemStore store;
   const std::string prefix = UniqueName("shm-too-large");
   t3d_result_t res[2] = {T3D_OK, T3D_OK};
@@ -810,7 +810,7 @@ TEST(ShmFailure, SegmentTooLargeFailsInitClearly) {
     });
   }
   for (auto &t : ts) t.join();
-  unsetenv("T3D_SHM_BYTES");
+  UnsetEnv("T3D_SHM_BYTES");
   EXPECT_EQ(res[0], T3D_ERR_NO_MEMORY) << t3d_result_string(res[0]);
   EXPECT_NE(res[1], T3D_OK);
   EXPECT_TRUE(OurSegments().empty());
