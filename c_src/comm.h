@@ -94,6 +94,8 @@ struct t3d_comm {
   /* The provider whose posted point-to-point completes only when someone runs its passes (shm): t3d_test and
    * t3d_wait drive it for requests marked on_shm (base/request.c). NULL when there is none. */
   const struct t3d_provider *p2p_driver;
+  /* Who runs each kind of operation on each kind of memory (core/select.c fills it at init; NULL: nobody). */
+  const struct t3d_provider *choice[T3D_OP_GROUP][2];
   char transport[16]; /* what was asked for: auto, ucx or shm (splits inherit it) */
 
   pthread_t thread;

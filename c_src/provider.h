@@ -34,7 +34,8 @@ typedef struct t3d_coll_ops {
 
 typedef struct t3d_provider {
   const char *name; /* "shm", "ucx", "nccl": also what T3D_PROVIDERS names */
-  /* Whether it can run req (a collective or a send / receive) on comm. */
+  /* Whether it can run req (a collective or a send / receive) on comm. It may look at req's kind and memtype
+   * only: the engine asks once per communicator, kind and memory (core/select.c) and keeps the answers. */
   int (*fits)(const t3d_comm_t *comm, const t3d_request_t *req);
   /* Where its operations run. With `post`, they are issued at once on the caller's thread (NCCL enqueues on the
    * caller's stream; same-host point-to-point is posted into the segment) and complete later, through `progress`

@@ -158,6 +158,7 @@ t3d_result_t t3d_comm_init(t3d_comm_t **out, int rank, int size, const t3d_store
       comm->tp->fini(comm->tp_state);
     }
   }
+  if (res == T3D_OK) t3d__providers_choose(comm);
   if (res == T3D_OK && pthread_create(&comm->thread, NULL, t3d__progress_main, comm) != 0) {
     res = t3d__set_error(comm, T3D_ERR_SYSTEM, "t3d_comm_init: cannot start the progress thread on rank %d", rank);
     t3d__nccl_free(comm->nccl, 0);

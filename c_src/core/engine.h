@@ -8,8 +8,13 @@
 /* ---------- choosing a provider (select.c) ---------- */
 /* The providers in the order they are tried (T3D_PROVIDERS, default "shm,nccl,ucx"), NULL-terminated. */
 const t3d_provider_t *const *t3d__providers(void);
-/* The first provider of that list that fits req on comm, or NULL (then nothing can run it). */
-const t3d_provider_t *t3d__provider_for(const t3d_comm_t *comm, const t3d_request_t *req);
+/* Works out, once the communicator is set up, which provider runs each kind of operation on each kind of memory:
+ * the first of that list that fits, or NULL (then nothing can run it). */
+void t3d__providers_choose(t3d_comm_t *comm);
+/* That answer for req. */
+static inline const t3d_provider_t *t3d__provider_for(const t3d_comm_t *comm, const t3d_request_t *req) {
+  return comm->choice[req->kind][req->memtype == T3D_MEM_CUDA];
+}
 /* Whether an operation of req's kind is issued through its provider's post (point-to-point, and everything of a
  * provider without host collectives, i.e. NCCL) rather than run as a collective. */
 static inline int t3d__is_posted(const t3d_request_t *req) {

@@ -45,9 +45,19 @@ const t3d_provider_t *const *t3d__providers(void) {
   return chosen;
 }
 
-const t3d_provider_t *t3d__provider_for(const t3d_comm_t *comm, const t3d_request_t *req) {
-  for (const t3d_provider_t *const *p = t3d__providers(); *p != NULL; p++) {
-    if ((*p)->fits(comm, req)) return *p;
+/* The answers depend on the communicator (what it set up at init), the kind and the memory only, so they are
+ * worked out once: a call then costs one load instead of a walk through the table. */
+void t3d__providers_choose(t3d_comm_t *comm) {
+  for (int k = 0; k < T3D_OP_GROUP; k++) {
+    for (int m = 0; m < 2; m++) {
+      t3d_request_t probe;
+      memset(&probe, 0, sizeof probe);
+      probe.kind = (t3d_op_kind_t)k;
+      probe.memtype = m == 0 ? T3D_MEM_HOST : T3D_MEM_CUDA;
+      comm->choice[k][m] = NULL;
+      for (const t3d_provider_t *const *p = t3d__providers(); *p != NULL && comm->choice[k][m] == NULL; p++) {
+        if ((*p)->fits(comm, &probe)) comm->choice[k][m] = *p;
+      }
+    }
   }
-  return NULL;
 }
