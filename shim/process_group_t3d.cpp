@@ -29,6 +29,18 @@ std::vector<size_t> prefixSums(const std::vector<size_t>& counts) {
   return displs;
 }
 
+// The timeout of a group's operations. torch always hands one over (init_process_group's or new_group's `timeout`,
+// 30 minutes by default), so T3D_TIMEOUT_MS, when the user sets it, replaces it: the t3d-specific setting is the
+// more specific one. A later pg._set_pg_timeout (setTimeout) and a timeout given to one call (the c10d options'
+// `timeout`) still win over both. README.md, "Timeouts".
+std::chrono::milliseconds groupTimeout(std::chrono::milliseconds fromTorch) {
+  t3d_param_t p;
+  if (t3d_param_find("T3D_TIMEOUT_MS", &p) == T3D_OK && p.is_set && p.is_valid && p.value > 0) {
+    return std::chrono::milliseconds(p.value);
+  }
+  return fromTorch;
+}
+
 }  // namespace
 
 c10::intrusive_ptr<ProcessGroupT3D> ProcessGroupT3D::create(const c10::intrusive_ptr<c10d::Store>& store, int rank,
@@ -38,6 +50,7 @@ c10::intrusive_ptr<ProcessGroupT3D> ProcessGroupT3D::create(const c10::intrusive
   TORCH_CHECK(store, "t3d: ProcessGroupT3D needs a store");
   TORCH_CHECK(size > 0 && rank >= 0 && rank < size, "t3d: invalid rank ", rank, " for group size ", size);
   auto adapter = std::make_shared<StoreAdapter>(store);
+  timeout = groupTimeout(timeout);
   t3d_config_t cfg;
   t3d_config_init(&cfg);
   cfg.timeout_ms = timeout.count() > 0 ? timeout.count() : 0;
