@@ -151,8 +151,6 @@ void t3d__request_complete(t3d_request_t *req, t3d_result_t res, const char *msg
 void t3d__request_complete_fresh(t3d_request_t *req, t3d_result_t res, const char *msg);
 /* "allreduce", "send", ... */
 const char *t3d__op_name(t3d_op_kind_t kind);
-/* The communicator's shared-memory segment, NULL when it has none. */
-static inline t3d_shm_t *t3d__exec_shm(t3d_exec_t *ex) { return ex->comm->shm; }
 static inline int t3d__is_collective(t3d_op_kind_t k) {
   return k != T3D_OP_SEND && k != T3D_OP_RECV && k != T3D_OP_GROUP;
 }

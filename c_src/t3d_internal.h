@@ -117,6 +117,7 @@ typedef struct t3d_exec {
   t3d_comm_t *comm;
   int rank, size;
   const char *opname; /* "allreduce", ... */
+  int kind;           /* its t3d_op_kind_t */
   uint64_t seq;       /* collective sequence number on this communicator */
   uint64_t deadline_ns;
   uint64_t start_ns; /* t3d__now_ns when it started on this rank (an inline start: when the call began) */

@@ -121,6 +121,7 @@ void t3d__exec_init(t3d_comm_t *comm, t3d_request_t *r, t3d_exec_t *ex) {
   ex->rank = comm->rank;
   ex->size = comm->size;
   ex->opname = t3d__op_name(r->kind);
+  ex->kind = (int)r->kind;
   ex->seq = r->seq;
   ex->timeout_ms = r->timeout_ms;
   ex->start_ns = t3d__now_ns();
@@ -138,6 +139,9 @@ void t3d__record_failure(t3d_comm_t *comm, t3d_exec_t *ex, t3d_result_t res) {
   if (res == T3D_ERR_TIMEOUT || res == T3D_ERR_PEER_LOST || res == T3D_ERR_ABORTED || res == T3D_ERR_MISMATCH ||
       res == T3D_ERR_TRANSPORT) {
     t3d__fail_comm(comm, res, ex->error);
+    for (const t3d_provider_t *const *p = t3d__providers(); *p != NULL; p++) {
+      if ((*p)->broken != NULL) (*p)->broken(comm, res, ex->error);
+    }
   } else {
     t3d__set_error(comm, res, "%s", ex->error);
   }

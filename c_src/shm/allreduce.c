@@ -30,7 +30,7 @@ static t3d_result_t oneshot_publish(t3d_shm_t *s, t3d_exec_t *ex, const void *se
   if (root != s->rank) {
     T3D_CHECK(t3d__shm_step_acquire(s, ex, st));
     if (oneshot_mode(bytes) == ONESHOT_INLINE) {
-      in->kind = (uint64_t)kind;
+      in->kind = t3d__shm_info_kind(s, kind);
       in->sig = bytes;
       memcpy(t3d__shm_inline_data(s, s->rank, st->h), sendbuf, bytes);
     } else {

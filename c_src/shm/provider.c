@@ -193,6 +193,10 @@ static void shm_sleep(t3d_comm_t *comm, const t3d_request_t *req, uint64_t max_n
   t3d__shm_p2p_sleep(comm->shm_p2p, req, max_ns);
 }
 
+static void shm_broken(t3d_comm_t *comm, t3d_result_t res, const char *msg) {
+  if (comm->shm != NULL) t3d__shm_report_failure(comm->shm, res, msg);
+}
+
 static const t3d_coll_ops_t shm_coll = {
     .allreduce = t3d__shm_allreduce,
     .reduce = t3d__shm_reduce,
@@ -218,4 +222,5 @@ const t3d_provider_t t3d__provider_shm = {
     .progress = shm_progress,
     .active = shm_active,
     .sleep = shm_sleep,
+    .broken = shm_broken,
 };

@@ -160,6 +160,13 @@ static void read_tuning(t3d_shm_t *s) {
   s->nt = t3d__shm_nt_available();
   /* As many ranks as cores: no blind spinning, but a peer seen running on another core is worth a short spin. */
   s->cpu_aware = t3d__cores_filled() && !t3d__oversubscribed();
+  /* Liveness checks need the peers' process ids to mean the same here: true where the ranks could read each
+   * other's memory at init (cross-memory attach, which addresses a process by its id), not across pid namespaces. */
+  v = t3d__param_int(T3D_PARAM_SHM_LIVENESS_MS);
+  int pids_shared = s->p2p_ok || s->direct_max > 0 || s->a2a_direct_max > 0;
+  s->liveness_ns = v <= 0 || !pids_shared ? 0 : (uint64_t)v * 1000000u;
+  /* For the others' liveness checks (0 until written: not checked). */
+  atomic_store_explicit(t3d__shm_pid(s, s->rank), (int32_t)s->pid, memory_order_release);
 }
 
 /* "name pid probe", or "!reason" when rank 0 failed. Each other rank answers "mapped/<rank>" with "1 bits pid probe"

@@ -18,19 +18,21 @@
  *   header   one page: magic, rank count, bytes per half (rank 0 decides; the others adopt it)
  *   control  per rank T3D_SHM_CTRL_STRIDE bytes: its progress flag alone in the first 64 bytes and, in the next 64
  *            (the adjacent-line prefetcher fetches lines in pairs), the count of ranks asleep on that flag and the
- *            CPU the rank last ran t3d code on; then one 64-byte op-info line per half and per small slot
+ *            CPU the rank last ran t3d code on; then one 64-byte op-info line per half and per small slot, then a
+ *            line with the collective the rank runs now (t3d__shm_opline: read by peers only to explain a mismatch)
  *   data     per rank two halves of `half` bytes; step t of the communicator uses half t & 1 of every rank
  *   small    per rank T3D_SHM_SMALL_SLOTS slots of T3D_SHM_SMALL_BYTES: small broadcasts use them in turn instead of
  *            the halves, so that a root may run that many broadcasts ahead of its slowest reader
  *   p2p      point-to-point (p2p.c): per rank T3D_SHM_P2P_RECORDS rendezvous records, then one ring of slots per
  *            ordered pair (sender, receiver)
  * A rank writes only its own flag, info lines and halves (and, in p2p, what p2p.c says). */
-#define T3D_SHM_MAGIC 0x3530304d48534433ull /* "3DSHM005" */
+#define T3D_SHM_MAGIC 0x3630304d48534433ull /* "3DSHM006" */
 #define T3D_SHM_SMALL_SLOTS 16
 #define T3D_SHM_SMALL_BYTES 16384
-#define T3D_SHM_CTRL_STRIDE (128 + 64 * (2 + T3D_SHM_SMALL_SLOTS))
+#define T3D_SHM_CTRL_STRIDE (128 + 64 * (3 + T3D_SHM_SMALL_SLOTS))
 #define T3D_SHM_SLEEPERS_OFFSET 64
 #define T3D_SHM_CPU_OFFSET 96
+#define T3D_SHM_PID_OFFSET 100
 #define T3D_SHM_INFO_OFFSET 128
 #define T3D_SHM_PAGE 4096
 
@@ -41,12 +43,20 @@ typedef struct t3d_shm_header {
   uint64_t total;
   uint64_t p2p_eager; /* point-to-point: bytes a slot carries (p2p.c) */
   uint64_t p2p_slots; /* slots per ring */
+  /* The first rank whose operation broke the communicator tells the others here (t3d__shm_report_failure): it
+   * claims `failed` (its rank + 1), writes its result code and error text, then sets `failed_ready`. Waits read
+   * `failed` now and then (t3d__shm_wait_line, t3d__shm_wait_each) and fail with that rank's error. */
+  _Atomic uint64_t failed;
+  int64_t failed_code;
+  _Atomic uint64_t failed_ready;
+  char failed_msg[1024];
 } t3d_shm_header_t;
+_Static_assert(sizeof(t3d_shm_header_t) <= T3D_SHM_PAGE, "the header is one page");
 
 /* Written by a rank into the info line of the half it uses, before it publishes the first step of an operation;
  * readers compare it with their own view of the operation to catch ranks that disagree. */
 typedef struct t3d_shm_info {
-  uint64_t kind; /* T3D_OP_* of the operation */
+  uint64_t kind; /* the operation: its sequence number << 8 | its T3D_OP_* (t3d__shm_info_kind) */
   uint64_t sig;  /* size signature: what all ranks must agree on */
   uint64_t aux;  /* alltoallv: the largest block this rank sends */
   uint64_t addr; /* single-copy allgatherv: where this rank's block is, in its process */
@@ -101,7 +111,13 @@ struct t3d_shm {
   int *rpid;          /* scratch: each peer's process */
   char name[64];
   int wake_pending; /* a t3d__shm_post_lazy has not checked for sleepers yet (t3d__shm_settle) */
+  uint64_t op_seq;      /* the collective this rank runs now (t3d__exec_shm), for its info lines */
+  uint64_t liveness_ns; /* how often a wait checks that the ranks it waits for still have a process (0: never) */
+  uint64_t alive_checked; /* when it last did */
 };
+
+/* What an info line's kind word holds for this rank's current collective. */
+static inline uint64_t t3d__shm_info_kind(const t3d_shm_t *s, int kind) { return s->op_seq << 8 | (uint64_t)kind; }
 
 /* ---------- the provider's operations (provider.c puts them in its table) ----------
  * The collectives have the t3d_coll_ops_t signatures and contracts (c_src/provider.h). */
@@ -191,11 +207,21 @@ static inline _Atomic uint32_t *t3d__shm_sleepers(const t3d_shm_t *s, int p) {
 static inline _Atomic uint32_t *t3d__shm_cpu(const t3d_shm_t *s, int p) {
   return (_Atomic uint32_t *)(void *)(s->ctrl + (size_t)p * T3D_SHM_CTRL_STRIDE + T3D_SHM_CPU_OFFSET);
 }
+/* Rank p's process id, written once at init: a wait that finds it gone fails at once (sync.c). */
+static inline _Atomic int32_t *t3d__shm_pid(const t3d_shm_t *s, int p) {
+  return (_Atomic int32_t *)(void *)(s->ctrl + (size_t)p * T3D_SHM_CTRL_STRIDE + T3D_SHM_PID_OFFSET);
+}
 static inline void t3d__shm_note_cpu(t3d_shm_t *s) {
   if (!s->cpu_aware) return;
   _Atomic uint32_t *c = t3d__shm_cpu(s, s->rank);
   uint32_t v = (uint32_t)sched_getcpu() + 1u;
   if (atomic_load_explicit(c, memory_order_relaxed) != v) atomic_store_explicit(c, v, memory_order_relaxed);
+}
+/* Rank p's current collective: its sequence number << 8 | its kind (t3d__exec_shm writes it, t3d__shm_check_info
+ * quotes it). */
+static inline _Atomic uint64_t *t3d__shm_opline(const t3d_shm_t *s, int p) {
+  return (_Atomic uint64_t *)(void *)(s->ctrl + (size_t)p * T3D_SHM_CTRL_STRIDE + T3D_SHM_INFO_OFFSET +
+                                      64 * (2 + T3D_SHM_SMALL_SLOTS));
 }
 static inline t3d_shm_info_t *t3d__shm_info(const t3d_shm_t *s, int p, int h) {
   return (t3d_shm_info_t *)(void *)(s->ctrl + (size_t)p * T3D_SHM_CTRL_STRIDE + T3D_SHM_INFO_OFFSET + 64 * h);
@@ -297,6 +323,12 @@ void t3d__shm_put_info(t3d_shm_t *s, const t3d_shm_step_t *st, int kind, uint64_
 t3d_result_t t3d__shm_check_info(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step_t *st, int peer, int kind,
                                  uint64_t sig);
 /* t3d__shm_check_info for every other rank. */
+/* The communicator's segment for the collective of ex, which it records as this rank's current one (its sequence
+ * number goes into the info lines; peers quote it when they find a mismatch). Every shm collective starts here. */
+t3d_shm_t *t3d__exec_shm(t3d_exec_t *ex);
+/* Tells the other ranks that this rank's operation broke the communicator (res, msg): the first such report wins,
+ * and every wait of the others then fails with it (sync.c). */
+void t3d__shm_report_failure(t3d_shm_t *s, t3d_result_t res, const char *msg);
 t3d_result_t t3d__shm_check_all_info(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step_t *st, int kind,
                                      uint64_t sig);
 

@@ -5,7 +5,9 @@
  * operation. */
 #include "shm.h"
 
+#include <errno.h>
 #include <limits.h>
+#include <signal.h>
 #include <linux/futex.h>
 #include <stdio.h>
 #include <string.h>
@@ -114,6 +116,70 @@ static t3d_result_t fail_wait(t3d_shm_t *s, t3d_exec_t *ex, int lo, int hi, uint
   return t3d__exec_check(ex, names);
 }
 
+/* ---------- failures of other ranks ---------- */
+
+static t3d_shm_header_t *header(const t3d_shm_t *s) { return (t3d_shm_header_t *)(void *)s->base; }
+
+void t3d__shm_report_failure(t3d_shm_t *s, t3d_result_t res, const char *msg) {
+  t3d_shm_header_t *h = header(s);
+  uint64_t none = 0;
+  if (!atomic_compare_exchange_strong(&h->failed, &none, (uint64_t)s->rank + 1)) return; /* someone was first */
+  h->failed_code = (int64_t)res;
+  snprintf(h->failed_msg, sizeof h->failed_msg, "%s", msg != NULL ? msg : "");
+  atomic_store_explicit(&h->failed_ready, 1, memory_order_release);
+}
+
+/* Whether process pid is gone: no such process, or a zombie (exited, not yet reaped by its parent). */
+static int process_gone(int32_t pid) {
+  if (kill((pid_t)pid, 0) != 0) return errno == ESRCH;
+  char path[48], buf[256];
+  snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+  FILE *f = fopen(path, "r");
+  if (f == NULL) return 0;
+  size_t n = fread(buf, 1, sizeof buf - 1, f);
+  fclose(f);
+  buf[n] = '\0';
+  const char *end = strrchr(buf, ')'); /* "pid (comm) S ...": the name may hold spaces and parentheses */
+  return end != NULL && end[1] == ' ' && (end[2] == 'Z' || end[2] == 'X');
+}
+
+/* Checked between polls of a wait (every 16th round, after abort and deadline): another rank reported that the
+ * communicator broke (its error becomes this operation's), or a rank awaited here has no process any more (checked
+ * every s->liveness_ns; ranks that are threads of this process, or whose process id is not written yet, are not). */
+static t3d_result_t check_peers(t3d_shm_t *s, t3d_exec_t *ex, int lo, int hi, uint64_t target) {
+  const t3d_shm_header_t *h = header(s);
+  uint64_t f = atomic_load_explicit(&h->failed, memory_order_acquire);
+  if (f != 0 && f != (uint64_t)s->rank + 1) {
+    int ready = atomic_load_explicit(&h->failed_ready, memory_order_acquire) != 0;
+    int n = snprintf(ex->error, sizeof ex->error, "t3d: %s #%llu on group '%s' (rank %d of %d) failed: rank %d broke "
+                     "the group: ", ex->opname, (unsigned long long)ex->seq, ex->comm->name, ex->rank, ex->size,
+                     (int)(f - 1));
+    /* Its text in whatever room is left (the two together may be longer than one error). */
+    size_t used = n > 0 && (size_t)n < sizeof ex->error ? (size_t)n : sizeof ex->error - 1;
+    const char *why = ready ? h->failed_msg : "(its error is being written)";
+    size_t len = strnlen(why, sizeof ex->error - 1 - used);
+    memcpy(ex->error + used, why, len);
+    ex->error[used + len] = '\0';
+    return ready && h->failed_code < 0 ? (t3d_result_t)h->failed_code : T3D_ERR_ABORTED;
+  }
+  if (s->liveness_ns == 0) return T3D_OK;
+  uint64_t now = t3d__now_ns();
+  if (now - s->alive_checked < s->liveness_ns) return T3D_OK;
+  s->alive_checked = now;
+  for (int p = lo; p < hi; p++) {
+    if (p == s->rank || atomic_load_explicit(t3d__shm_flag(s, p), memory_order_acquire) >= target) continue;
+    int32_t pid = atomic_load_explicit(t3d__shm_pid(s, p), memory_order_acquire);
+    if (pid <= 0 || pid == (int32_t)s->pid || !process_gone(pid)) continue;
+    char names[256];
+    describe_missing(s, lo, hi, target, names, sizeof names);
+    snprintf(ex->error, sizeof ex->error, "t3d: %s #%llu on group '%s' (rank %d of %d) lost rank %d: its process "
+             "(pid %d) has exited; still waiting for %s", ex->opname, (unsigned long long)ex->seq, ex->comm->name,
+             ex->rank, ex->size, p, (int)pid, names);
+    return T3D_ERR_PEER_LOST;
+  }
+  return T3D_OK;
+}
+
 /* Whether rank p has reached target: its info line's seq equals a->word, or its flag. With a line to watch, the
  * flag is read only when `flag_too` (its fallback: a peer that posts without setting seq, e.g. one that runs another
  * operation): every read of the flag's line is one more line the peer must take back when it next posts. */
@@ -139,7 +205,10 @@ t3d_result_t t3d__shm_wait_line(t3d_shm_t *s, t3d_exec_t *ex, int who, uint64_t 
     while (next < hi && (next == s->rank || arrived(s, next, target, a, (it & 15) == 0))) next++;
     if (next == hi) break;
     if (next != before) t3d__backoff_reset(&b);
-    if ((it & 15) == 0 && t3d__exec_check(ex, "") != T3D_OK) return fail_wait(s, ex, lo, hi, target);
+    if ((it & 15) == 0) {
+      if (t3d__exec_check(ex, "") != T3D_OK) return fail_wait(s, ex, lo, hi, target);
+      T3D_CHECK(check_peers(s, ex, lo, hi, target));
+    }
     /* Every 8th round: a clock read costs a fair share of a sub-microsecond collective. */
     if (until != 0 && (it & 7) == 0 && t3d__now_ns() >= until) return T3D_IN_PROGRESS;
     t3d__shm_backoff(s, &b, next, target, until);
@@ -174,7 +243,10 @@ t3d_result_t t3d__shm_wait_each(t3d_shm_t *s, t3d_exec_t *ex, uint64_t target, t
       t3d__backoff_reset(&b);
       continue;
     }
-    if ((it & 15) == 0 && t3d__exec_check(ex, "") != T3D_OK) return fail_wait(s, ex, 0, n, target);
+    if ((it & 15) == 0) {
+      if (t3d__exec_check(ex, "") != T3D_OK) return fail_wait(s, ex, 0, n, target);
+      T3D_CHECK(check_peers(s, ex, 0, n, target));
+    }
     t3d__shm_backoff(s, &b, s->pending[0], target, 0);
   }
   if (target > s->seen_all) s->seen_all = target;
@@ -193,36 +265,44 @@ t3d_result_t t3d__shm_start_wait(t3d_exec_t *ex, const t3d_shm_resume_t *rs, int
 
 /* ---------- info lines ---------- */
 
+t3d_shm_t *t3d__exec_shm(t3d_exec_t *ex) {
+  t3d_shm_t *s = ex->comm->shm;
+  if (s->op_seq != ex->seq) {
+    s->op_seq = ex->seq;
+    atomic_store_explicit(t3d__shm_opline(s, s->rank), t3d__shm_info_kind(s, ex->kind), memory_order_relaxed);
+  }
+  return s;
+}
+
 void t3d__shm_put_info(t3d_shm_t *s, const t3d_shm_step_t *st, int kind, uint64_t sig, uint64_t aux) {
   t3d_shm_info_t *in = t3d__shm_info(s, s->rank, st->h);
-  in->kind = (uint64_t)kind;
+  in->kind = t3d__shm_info_kind(s, kind);
   in->sig = sig;
   in->aux = aux;
   in->addr = 0;
   in->pid = s->pid;
 }
 
-static const char *kind_name(uint64_t k) {
-  switch (k) {
-    case T3D_OP_ALLREDUCE: return "allreduce";
-    case T3D_OP_BROADCAST: return "broadcast";
-    case T3D_OP_REDUCE: return "reduce";
-    case T3D_OP_ALLGATHERV: return "allgather";
-    case T3D_OP_REDUCE_SCATTERV: return "reduce_scatter";
-    case T3D_OP_ALLTOALLV: return "alltoall";
-    default: return "another operation";
-  }
-}
-
 t3d_result_t t3d__shm_check_info(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step_t *st, int peer, int kind,
                                  uint64_t sig) {
   const t3d_shm_info_t *in = t3d__shm_info(s, peer, st->h);
-  if (in->kind == (uint64_t)kind && in->sig == sig) return T3D_OK;
-  snprintf(ex->error, sizeof ex->error,
-           "t3d: %s #%llu on group '%s' (rank %d of %d): rank %d runs %s of %llu bytes where this rank runs %s of "
-           "%llu bytes (ranks disagree on the operation or its size)",
-           ex->opname, (unsigned long long)ex->seq, ex->comm->name, ex->rank, ex->size, peer, kind_name(in->kind),
-           (unsigned long long)in->sig, kind_name((uint64_t)kind), (unsigned long long)sig);
+  if (in->kind == t3d__shm_info_kind(s, kind) && in->sig == sig) return T3D_OK;
+  int n = snprintf(ex->error, sizeof ex->error, "t3d: %s #%llu on group '%s' (rank %d of %d): ", ex->opname,
+                   (unsigned long long)ex->seq, ex->comm->name, ex->rank, ex->size);
+  size_t used = n > 0 && (size_t)n < sizeof ex->error ? (size_t)n : sizeof ex->error - 1;
+  if (in->kind >> 8 == ex->seq) {
+    /* The same collective, another kind or size. */
+    snprintf(ex->error + used, sizeof ex->error - used, "rank %d runs %s of %llu bytes where this rank runs %s of %llu "
+             "bytes (ranks disagree on the operation or its size)", peer, t3d__op_name((t3d_op_kind_t)(in->kind & 0xff)),
+             (unsigned long long)in->sig, ex->opname, (unsigned long long)sig);
+  } else {
+    /* The peer posted this step's phase without writing this line: it runs a collective that uses another part of
+     * the segment; its current one says which. */
+    uint64_t w = atomic_load_explicit(t3d__shm_opline(s, peer), memory_order_relaxed);
+    snprintf(ex->error + used, sizeof ex->error - used, "rank %d runs %s #%llu where this rank runs %s of %llu bytes "
+             "(ranks disagree on the operation)", peer, t3d__op_name((t3d_op_kind_t)(w & 0xff)),
+             (unsigned long long)(w >> 8), ex->opname, (unsigned long long)sig);
+  }
   return T3D_ERR_MISMATCH;
 }
 
