@@ -19,7 +19,8 @@
  *   control  per rank T3D_SHM_CTRL_STRIDE bytes: its progress flag alone in the first 64 bytes and, in the next 64
  *            (the adjacent-line prefetcher fetches lines in pairs), the count of ranks asleep on that flag and the
  *            CPU the rank last ran t3d code on; then one 64-byte op-info line per half and per small slot, then a
- *            line with the collective the rank runs now (t3d__shm_opline: read by peers only to explain a mismatch)
+ *            pair of lines whose first holds the collective the rank runs now (t3d__shm_opline: read by peers only
+ *            to explain a mismatch)
  *   data     per rank two halves of `half` bytes; step t of the communicator uses half t & 1 of every rank
  *   small    per rank T3D_SHM_SMALL_SLOTS slots of T3D_SHM_SMALL_BYTES: small broadcasts use them in turn instead of
  *            the halves, so that a root may run that many broadcasts ahead of its slowest reader
@@ -29,7 +30,9 @@
 #define T3D_SHM_MAGIC 0x3630304d48534433ull /* "3DSHM006" */
 #define T3D_SHM_SMALL_SLOTS 16
 #define T3D_SHM_SMALL_BYTES 16384
-#define T3D_SHM_CTRL_STRIDE (128 + 64 * (3 + T3D_SHM_SMALL_SLOTS))
+/* A multiple of 128 bytes, so that no rank's flag line shares a prefetched pair of lines with another rank's. */
+#define T3D_SHM_CTRL_STRIDE (128 + 64 * (2 + T3D_SHM_SMALL_SLOTS) + 128)
+_Static_assert(T3D_SHM_CTRL_STRIDE % 128 == 0, "control areas are whole pairs of lines");
 #define T3D_SHM_SLEEPERS_OFFSET 64
 #define T3D_SHM_CPU_OFFSET 96
 #define T3D_SHM_PID_OFFSET 100
@@ -325,7 +328,14 @@ t3d_result_t t3d__shm_check_info(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_ste
 /* t3d__shm_check_info for every other rank. */
 /* The communicator's segment for the collective of ex, which it records as this rank's current one (its sequence
  * number goes into the info lines; peers quote it when they find a mismatch). Every shm collective starts here. */
-t3d_shm_t *t3d__exec_shm(t3d_exec_t *ex);
+static inline t3d_shm_t *t3d__exec_shm(t3d_exec_t *ex) {
+  t3d_shm_t *s = ex->comm->shm;
+  if (s->op_seq != ex->seq) {
+    s->op_seq = ex->seq;
+    atomic_store_explicit(t3d__shm_opline(s, s->rank), t3d__shm_info_kind(s, ex->kind), memory_order_relaxed);
+  }
+  return s;
+}
 /* Tells the other ranks that this rank's operation broke the communicator (res, msg): the first such report wins,
  * and every wait of the others then fails with it (sync.c). */
 void t3d__shm_report_failure(t3d_shm_t *s, t3d_result_t res, const char *msg);

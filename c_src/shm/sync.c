@@ -265,15 +265,6 @@ t3d_result_t t3d__shm_start_wait(t3d_exec_t *ex, const t3d_shm_resume_t *rs, int
 
 /* ---------- info lines ---------- */
 
-t3d_shm_t *t3d__exec_shm(t3d_exec_t *ex) {
-  t3d_shm_t *s = ex->comm->shm;
-  if (s->op_seq != ex->seq) {
-    s->op_seq = ex->seq;
-    atomic_store_explicit(t3d__shm_opline(s, s->rank), t3d__shm_info_kind(s, ex->kind), memory_order_relaxed);
-  }
-  return s;
-}
-
 void t3d__shm_put_info(t3d_shm_t *s, const t3d_shm_step_t *st, int kind, uint64_t sig, uint64_t aux) {
   t3d_shm_info_t *in = t3d__shm_info(s, s->rank, st->h);
   in->kind = t3d__shm_info_kind(s, kind);
