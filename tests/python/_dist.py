@@ -436,3 +436,34 @@ def run_check_item(cache, key, spec, ws, name, **kw):
     checks = [(n, fn, args) for n, fn, args, skip in spec[ws] if not skip]
     outcomes = world_outcomes(cache, (key, ws), checks, ws, **kw)
     assert_outcome(outcomes, name)
+
+
+def spawn_reports(target, world, extra_args, want, seconds=90.0, ignore=("ready", "idle")):
+    """Starts `world` spawned processes running target(rank, init_file, *extra_args, q) and collects the reports
+    they put on q, (rank, what, seconds, message), until every rank in `want` has reported something other than
+    `ignore` or `seconds` pass; ranks that reported get a few seconds to exit, the others are killed. Returns {rank: (what, seconds, message)}: the
+    caller asserts that every rank it wanted is there (a missing one hung)."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    got = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        init = os.path.join(tmp, "init")
+        procs = [ctx.Process(target=target, args=(r, init, *extra_args, q)) for r in range(world)]
+        for p in procs:
+            p.start()
+        try:
+            deadline = time.monotonic() + seconds
+            while not set(want) <= set(got) and time.monotonic() < deadline:
+                try:
+                    rank, what, dt, msg = q.get(timeout=1)
+                except queue_mod.Empty:
+                    continue
+                if what not in ignore:
+                    got[rank] = (what, dt, msg)
+        finally:
+            for r, p in enumerate(procs):
+                p.join(timeout=5 if r in got else 0)  # a rank that reported exits by itself; the others are ended
+                if p.is_alive():
+                    p.kill()
+                    p.join(timeout=5)
+    return got

@@ -5,11 +5,9 @@ sequence number, the group, the rank, and what went wrong."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import re
 import signal
-import tempfile
 import time
 from datetime import timedelta
 
@@ -20,7 +18,7 @@ import _dist
 TIMEOUT_S = 120.0  # far longer than the test allows: the failures must be found another way
 
 
-def _rank(rank: int, world: int, init: str, q) -> None:
+def _rank(rank: int, init: str, world: int, q) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist
@@ -50,27 +48,7 @@ def _rank(rank: int, world: int, init: str, q) -> None:
 @pytest.mark.timeout(120)
 def test_killed_rank_makes_survivors_raise():
     world = 3
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_rank, args=(r, world, os.path.join(tmp, "init"), q)) for r in range(world)]
-        for p in procs:
-            p.start()
-        got = {}
-        deadline = time.monotonic() + 90
-        try:
-            while len(got) < world - 1 and time.monotonic() < deadline:
-                try:
-                    rank, what, dt, msg = q.get(timeout=1)
-                except Exception:  # noqa: BLE001
-                    continue
-                if what != "ready":
-                    got[rank] = (what, dt, msg)
-        finally:
-            for p in procs:
-                p.join(timeout=5)
-                if p.is_alive():
-                    p.kill()
+    got = _dist.spawn_reports(_rank, world, (world,), want={0, 1})
     assert set(got) == {0, 1}, f"survivors did not report (hang?): {got}"
     for rank, (what, dt, msg) in got.items():
         assert what == "raised", f"rank {rank}: {what}"
@@ -112,26 +90,7 @@ def _desync_rank(rank: int, init: str, q) -> None:
 @pytest.mark.skipif(_dist.BACKEND != "t3d", reason="exercises t3d's failure reporting")
 @pytest.mark.timeout(120)
 def test_desynchronised_collectives_raise_on_every_rank():
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_desync_rank, args=(r, os.path.join(tmp, "init"), q)) for r in range(2)]
-        for p in procs:
-            p.start()
-        got = {}
-        try:
-            deadline = time.monotonic() + 60
-            while len(got) < 2 and time.monotonic() < deadline:
-                try:
-                    rank, what, dt, msg = q.get(timeout=1)
-                except Exception:  # noqa: BLE001
-                    continue
-                got[rank] = (what, dt, msg)
-        finally:
-            for p in procs:
-                p.join(timeout=5)
-                if p.is_alive():
-                    p.kill()
+    got = _dist.spawn_reports(_desync_rank, 2, (), want={0, 1}, seconds=60)
     assert set(got) == {0, 1}, f"a rank did not report (hang?): {got}"
     calls = {0: "allreduce", 1: "broadcast"}
     # What each side called, as the rank that found the mismatch words it: "rank P runs X #2 (or X of N bytes) where

@@ -9,10 +9,8 @@ timeout (not much later) and reads, word for word,
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import re
-import tempfile
 import time
 from datetime import timedelta
 
@@ -24,7 +22,8 @@ ERROR = re.compile(r"t3d: allreduce #(\d+) on group '([^']+)' \(rank 0 of 2\) ti
                    r"still waiting for rank\(s\) 1(?:\s|$)")
 
 
-def _rank(rank: int, init: str, env: dict, group_timeout_s: float | None, call_timeout_ms: int | None, q) -> None:
+def _rank(rank: int, init: str, env: dict, group_timeout_s: float | None, call_timeout_ms: int | None,
+          q) -> None:
     os.environ.update(env)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
@@ -57,27 +56,9 @@ def _rank(rank: int, init: str, env: dict, group_timeout_s: float | None, call_t
 
 
 def _run(env: dict, group_timeout_s: float | None, call_timeout_ms: int | None) -> tuple[str, float, str]:
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init = os.path.join(tmp, "init")
-        procs = [ctx.Process(target=_rank, args=(r, init, env, group_timeout_s, call_timeout_ms, q)) for r in (0, 1)]
-        for p in procs:
-            p.start()
-        try:
-            deadline = time.monotonic() + 90
-            while time.monotonic() < deadline:
-                try:
-                    rank, what, dt, msg = q.get(timeout=1)
-                except Exception:  # noqa: BLE001
-                    continue
-                if rank == 0:
-                    return what, dt, msg
-            raise AssertionError("rank 0 did not report within 90 s (a hang?)")
-        finally:
-            for p in procs:
-                p.kill()
-                p.join(timeout=5)
+    got = _dist.spawn_reports(_rank, 2, (env, group_timeout_s, call_timeout_ms), want={0})
+    assert 0 in got, "rank 0 did not report within 90 s (a hang?)"
+    return got[0]
 
 
 CASES = {
