@@ -13,34 +13,22 @@
  * it polls without pause while any is in flight. What callers posted on their own threads (same-host) their
  * waiters drive; the progress thread only runs a pass on its periodic wake-ups, so that deadlines and aborts fire
  * when nobody waits. */
-static int own_active(t3d_comm_t *comm) {
+/* Whether some provider of that kind (callers: it posts on the callers' threads) has point-to-point pending. */
+static int posted_active(t3d_comm_t *comm, int callers) {
   for (const t3d_provider_t *const *p = t3d__providers(); *p != NULL; p++) {
-    if ((*p)->active != NULL && !(*p)->post_on_caller && (*p)->active(comm)) return 1;
+    if ((*p)->active != NULL && (*p)->post_on_caller == callers && (*p)->active(comm)) return 1;
   }
   return 0;
 }
 
-static int own_progress(t3d_comm_t *comm) {
+/* Drives the pending point-to-point of the providers of that kind; returns how much moved. */
+static int posted_progress(t3d_comm_t *comm, int callers) {
   int moved = 0;
   for (const t3d_provider_t *const *p = t3d__providers(); *p != NULL; p++) {
-    if ((*p)->progress != NULL && !(*p)->post_on_caller) moved |= (*p)->progress(comm);
+    if ((*p)->progress != NULL && (*p)->post_on_caller == callers && (callers == 0 || (*p)->active(comm)))
+      moved += (*p)->progress(comm);
   }
   return moved;
-}
-
-static int callers_active(t3d_comm_t *comm) {
-  for (const t3d_provider_t *const *p = t3d__providers(); *p != NULL; p++) {
-    if ((*p)->active != NULL && (*p)->post_on_caller && (*p)->active(comm)) return 1;
-  }
-  return 0;
-}
-
-static int callers_progress(t3d_comm_t *comm) {
-  int done = 0;
-  for (const t3d_provider_t *const *p = t3d__providers(); *p != NULL; p++) {
-    if ((*p)->progress != NULL && (*p)->post_on_caller && (*p)->active(comm)) done += (*p)->progress(comm);
-  }
-  return done;
 }
 
 static void run_request(t3d_comm_t *comm, t3d_request_t *r) {
@@ -80,7 +68,7 @@ void *t3d__progress_main(void *arg) {
     /* Going idle: watch the queue for ~200 us first (yielding); a condition-variable wake-up costs tens of
      * microseconds, more than a small collective. Not when ranks outnumber cores: the watcher would take turns
      * from the ranks that have work. */
-    if (!own_active(comm) && !t3d__oversubscribed()) {
+    if (!posted_active(comm, 0) && !t3d__oversubscribed()) {
       uint64_t until = t3d__now_ns() + 200000;
       int spins = 0;
       while (__atomic_load_n(&comm->q_head, __ATOMIC_ACQUIRE) == NULL && !__atomic_load_n(&comm->stop, __ATOMIC_ACQUIRE) &&
@@ -92,7 +80,7 @@ void *t3d__progress_main(void *arg) {
     pthread_mutex_lock(&comm->mu);
     /* Fully idle (or a caller runs a collective inline): block, but wake now and then to let the transport push
      * out buffered bytes. */
-    while ((comm->q_head == NULL || comm->busy) && !own_active(comm) && !comm->stop) {
+    while ((comm->q_head == NULL || comm->busy) && !posted_active(comm, 0) && !comm->stop) {
       struct timespec dl;
       clock_gettime(CLOCK_REALTIME, &dl);
       dl.tv_nsec += (long)idle_ms * 1000000L;
@@ -104,11 +92,11 @@ void *t3d__progress_main(void *arg) {
       /* Also on an abort's signal: pending same-host point-to-point then fails at once. */
       if (rc == ETIMEDOUT || atomic_load(&comm->aborted)) {
         pthread_mutex_unlock(&comm->mu);
-        own_progress(comm);
+        posted_progress(comm, 0);
         /* Same-host point-to-point is driven by its waiters; this catches deadlines, aborts and sends queued behind
          * a full ring when nobody waits. */
-        int active = callers_active(comm);
-        if (active) callers_progress(comm);
+        int active = posted_active(comm, 1);
+        if (active) posted_progress(comm, 1);
         pthread_mutex_lock(&comm->mu);
         unsigned cap = active ? 4 : 64;
         idle_ms = idle_ms < cap ? idle_ms * 2 : cap;
@@ -120,7 +108,7 @@ void *t3d__progress_main(void *arg) {
       if (comm->q_head == NULL) comm->q_tail = NULL;
       comm->busy = 1;
     }
-    int stop = comm->stop && comm->q_head == NULL && !comm->busy && !own_active(comm) && !callers_active(comm);
+    int stop = comm->stop && comm->q_head == NULL && !comm->busy && !posted_active(comm, 0) && !posted_active(comm, 1);
     pthread_mutex_unlock(&comm->mu);
     if (stop) break;
     idle_ms = 1;
@@ -133,13 +121,13 @@ void *t3d__progress_main(void *arg) {
       }
       t3d__backoff_reset(&b);
     }
-    if (own_active(comm)) {
-      if (own_progress(comm)) t3d__backoff_reset(&b);
+    if (posted_active(comm, 0)) {
+      if (posted_progress(comm, 0)) t3d__backoff_reset(&b);
       else if (comm->q_head == NULL) t3d__backoff_wait(&b);
     }
     /* Stopping with same-host point-to-point still pending: it completes, or fails at its deadline. */
-    if (comm->stop && callers_active(comm)) {
-      if (callers_progress(comm) > 0) t3d__backoff_reset(&b);
+    if (comm->stop && posted_active(comm, 1)) {
+      if (posted_progress(comm, 1) > 0) t3d__backoff_reset(&b);
       else t3d__backoff_wait(&b);
     }
   }
