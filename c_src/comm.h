@@ -110,7 +110,14 @@ struct t3d_comm {
 
   atomic_int aborted;
   atomic_int fatal; /* t3d_result_t that broke the communicator, 0 if none */
-  char fatal_msg[512];
+  char fatal_msg[1024];
+  /* The watch (base/watch.h), for groups not on one host's segment: its thread sets these once, when a peer is
+   * lost or tells of a failure (watch_told, watch_since_ns and watch_msg before watch_res, with release order). */
+  struct t3d_watch_reg *watch;
+  atomic_int watch_res;
+  int watch_told;
+  uint64_t watch_since_ns;
+  char watch_msg[800];
 
   int64_t inline_max;      /* allreduce up to this many bytes may start on the caller's thread (-1: never) */
   uint64_t inline_wait_ns; /* how long the caller waits for its peers before handing over (T3D_INLINE_WAIT_NS) */

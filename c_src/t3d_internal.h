@@ -62,8 +62,10 @@ t3d_result_t t3d__alltoall_source(int n, const void *sendbuf, const size_t *scou
                                   const void *recvbuf, const size_t *rcounts, const size_t *rdispls, size_t es,
                                   const char **src, size_t *bias, void **copy);
 
-/* ---------- time ---------- */
+/* ---------- time and place ---------- */
 uint64_t t3d__now_ns(void);
+/* "hostname/boot id": ranks with equal identities share a host (base/common.c). */
+void t3d__host_identity(char *buf, size_t len);
 
 /* ---------- transports ---------- */
 /* One message in flight. The transport sets status (T3D_OK or an error), bytes (received length) and
@@ -81,13 +83,14 @@ typedef struct t3d_xfer {
   void *probe;        /* transport-owned */
 } t3d_xfer_t;
 
-/* Message tags: 2 bits kind | 26 bits sequence or user tag | 20 bits step | 16 bits source rank. */
+/* Message tags: 2 bits kind | 26 bits (collectives: 4 bits operation, 22 bits sequence; point-to-point: the user
+ * tag) | 20 bits step | 16 bits source rank. */
 #define T3D_TAG_KIND_COLL 0ull
 #define T3D_TAG_KIND_P2P 1ull
 #define T3D_TAG_SRC_BITS 16
 #define T3D_TAG_STEP_BITS 20
 #define T3D_TAG_SRC_MASK 0xffffull
-uint64_t t3d__coll_tag(uint64_t seq, uint32_t step, int src);
+uint64_t t3d__coll_tag(int op, uint64_t seq, uint32_t step, int src);
 uint64_t t3d__p2p_tag(int64_t user_tag, int src);
 
 typedef struct t3d_transport {
@@ -122,7 +125,7 @@ typedef struct t3d_exec {
   uint64_t deadline_ns;
   uint64_t start_ns; /* t3d__now_ns when it started on this rank (an inline start: when the call began) */
   int64_t timeout_ms;
-  char error[512];    /* text of the first failure, for the request and the communicator */
+  char error[1024];    /* text of the first failure, for the request and the communicator */
 } t3d_exec_t;
 
 

@@ -28,6 +28,20 @@ const char *t3d_result_string(t3d_result_t res) {
   return "T3D_ERR_UNKNOWN";
 }
 
+/* Same host = same host name and same boot: containers that share a name but not memory differ in boot id only
+ * rarely, and a wrong guess fails at segment open with a clear error rather than silently. */
+void t3d__host_identity(char *buf, size_t len) {
+  char host[256] = "?", boot[64] = "";
+  gethostname(host, sizeof host - 1);
+  FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r");
+  if (f != NULL) {
+    if (fgets(boot, sizeof boot, f) == NULL) boot[0] = '\0';
+    fclose(f);
+  }
+  boot[strcspn(boot, "\n")] = '\0';
+  snprintf(buf, len, "%s/%s", host, boot);
+}
+
 uint64_t t3d__now_ns(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -82,11 +96,14 @@ void t3d__log(int level, const char *file, int line, const char *fmt, ...) {
   fflush(log_file);
 }
 
-/* Tags: 2 bits kind | 26 bits sequence (or user tag) | 20 bits step | 16 bits source. P2P user tags get 30 bits:
- * the 26 sequence bits plus the top 4 step bits, which collectives of kind P2P never use. */
-uint64_t t3d__coll_tag(uint64_t seq, uint32_t step, int src) {
-  return (T3D_TAG_KIND_COLL << 62) | ((seq & 0x3ffffffull) << 36) | ((uint64_t)(step & 0xfffffu) << 16) |
-         ((uint64_t)src & T3D_TAG_SRC_MASK);
+/* Tags: 2 bits kind | 26 bits | 20 bits step | 16 bits source. A collective's 26 bits are its operation (4 bits)
+ * and sequence number (22 bits): ranks that run different collectives under one sequence number (a desync) then
+ * never take each other's messages for their own, which would return wrong data quietly; they wait instead, and the
+ * first to time out tells the others (base/watch.h). P2P user tags get 30 bits: the 26 plus the top 4 step bits,
+ * which collectives of kind P2P never use. */
+uint64_t t3d__coll_tag(int op, uint64_t seq, uint32_t step, int src) {
+  return (T3D_TAG_KIND_COLL << 62) | ((uint64_t)(op & 0xf) << 58) | ((seq & 0x3fffffull) << 36) |
+         ((uint64_t)(step & 0xfffffu) << 16) | ((uint64_t)src & T3D_TAG_SRC_MASK);
 }
 
 uint64_t t3d__p2p_tag(int64_t user_tag, int src) {

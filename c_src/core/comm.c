@@ -1,6 +1,7 @@
 /* comm.c: a communicator's life: init (the transport, the shared-memory segment when every rank is on this host,
  * NCCL's state, the progress thread), destroy, abort, status, and split into subgroups. */
 #include "engine.h"
+#include "base/watch.h"
 #include "nccl/nccl_internal.h"
 
 #include <stdio.h>
@@ -39,25 +40,11 @@ static t3d_result_t pick_transport(t3d_comm_t *comm, const char *want) {
                         "build has: %s", want, comm->rank, T3D_HAVE_UCX ? "auto, ucx, shm" : "auto, shm");
 }
 
-/* Same host = same host name and same boot: containers that share a name but not memory differ in boot id only
- * rarely, and a wrong guess fails at segment open with a clear error rather than silently. */
-static void host_identity(char *buf, size_t len) {
-  char host[256] = "?", boot[64] = "";
-  gethostname(host, sizeof host - 1);
-  FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r");
-  if (f != NULL) {
-    if (fgets(boot, sizeof boot, f) == NULL) boot[0] = '\0';
-    fclose(f);
-  }
-  boot[strcspn(boot, "\n")] = '\0';
-  snprintf(buf, len, "%s/%s", host, boot);
-}
-
 /* Without UCX even a group of one takes the segment: its sends to itself need the segment's point-to-point. */
 static t3d_result_t setup_shm(t3d_comm_t *comm, const char *want) {
   if (strcmp(want, "ucx") == 0 || (comm->size == 1 && T3D_HAVE_UCX)) return T3D_OK;
   char mine[400], key[32];
-  host_identity(mine, sizeof mine);
+  t3d__host_identity(mine, sizeof mine);
   snprintf(key, sizeof key, "host/%d", comm->rank);
   T3D_CHECK(t3d__store_set(comm, key, mine, strlen(mine) + 1));
   int same = 1, other = -1;
@@ -150,9 +137,15 @@ t3d_result_t t3d_comm_init(t3d_comm_t **out, int rank, int size, const t3d_store
     res = setup_shm(comm, want);
     if (res != T3D_OK) comm->tp->fini(comm->tp_state);
   }
+  /* Groups without the segment's own liveness (shm/sync.c) are watched over sockets. */
+  if (res == T3D_OK && comm->shm == NULL && T3D_HAVE_UCX) {
+    res = t3d__watch_join(comm);
+    if (res != T3D_OK) comm->tp->fini(comm->tp_state);
+  }
   if (res == T3D_OK) {
     res = t3d__nccl_new(&comm->nccl);
     if (res != T3D_OK) {
+      t3d__watch_leave(comm);
       t3d__shm_p2p_free(comm->shm_p2p);
       t3d__shm_fini(comm->shm);
       comm->tp->fini(comm->tp_state);
@@ -161,6 +154,7 @@ t3d_result_t t3d_comm_init(t3d_comm_t **out, int rank, int size, const t3d_store
   if (res == T3D_OK) t3d__providers_choose(comm);
   if (res == T3D_OK && pthread_create(&comm->thread, NULL, t3d__progress_main, comm) != 0) {
     res = t3d__set_error(comm, T3D_ERR_SYSTEM, "t3d_comm_init: cannot start the progress thread on rank %d", rank);
+    t3d__watch_leave(comm);
     t3d__nccl_free(comm->nccl, 0);
     t3d__shm_p2p_free(comm->shm_p2p);
     t3d__shm_fini(comm->shm);
@@ -181,6 +175,7 @@ t3d_result_t t3d_comm_init(t3d_comm_t **out, int rank, int size, const t3d_store
 
 t3d_result_t t3d_comm_destroy(t3d_comm_t *comm) {
   if (comm == NULL) return T3D_ERR_INVALID_ARG;
+  t3d__watch_leave(comm); /* first: its thread may be writing to comm */
   if (comm->thread_started) {
     pthread_mutex_lock(&comm->mu);
     comm->stop = 1;

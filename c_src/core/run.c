@@ -2,6 +2,7 @@
  * real pairs, half types through float32, PREMUL_SUM's scalar before and AVG's division after), the call into the
  * chosen provider, and the recording of the outcome (errors that break the communicator, completion). */
 #include "engine.h"
+#include "base/watch.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -142,6 +143,7 @@ void t3d__record_failure(t3d_comm_t *comm, t3d_exec_t *ex, t3d_result_t res) {
     for (const t3d_provider_t *const *p = t3d__providers(); *p != NULL; p++) {
       if ((*p)->broken != NULL) (*p)->broken(comm, res, ex->error);
     }
+    t3d__watch_tell(comm, res, ex->error); /* groups not on one host's segment (base/watch.h) */
   } else {
     t3d__set_error(comm, res, "%s", ex->error);
   }
@@ -158,7 +160,7 @@ void t3d__end_collective(t3d_comm_t *comm, t3d_request_t *r, t3d_exec_t *ex, t3d
 void t3d__run_collective(t3d_comm_t *comm, t3d_request_t *r, int release) {
   int fatal = atomic_load(&comm->fatal);
   if (fatal != 0) {
-    char msg[700];
+    char msg[1300];
     snprintf(msg, sizeof msg, "t3d: %s #%llu on group '%s' (rank %d) not run: the communicator is broken by an "
              "earlier error: %s", t3d__op_name(r->kind), (unsigned long long)r->seq, comm->name, comm->rank,
              comm->fatal_msg);

@@ -2,6 +2,7 @@
  * alone) and completes them as their transfers finish, fail, time out or are aborted. Between ranks of one host
  * that share a segment, point-to-point goes through shm/p2p.c instead. */
 #include "ucx.h"
+#include "base/watch.h"
 
 #include <stdio.h>
 
@@ -37,7 +38,7 @@ int t3d__ucx_p2p_poll(t3d_comm_t *comm) {
     t3d_request_t *r = *link;
     t3d_xfer_t *x = &r->xfer;
     const char *what = r->kind == T3D_OP_SEND ? "send to" : "recv from";
-    char msg[512];
+    char msg[1100];
     t3d_result_t res = T3D_IN_PROGRESS;
     msg[0] = '\0';
     if (atomic_load_explicit(&x->done, memory_order_acquire)) {
@@ -54,13 +55,20 @@ int t3d__ucx_p2p_poll(t3d_comm_t *comm) {
       }
     } else {
       if (now == 0) now = t3d__now_ns();
+      t3d_result_t watched = t3d__watch_check(comm);
       if (atomic_load(&comm->aborted)) res = T3D_ERR_ABORTED;
+      else if (watched != T3D_OK) res = watched;
       else if (comm->tp->peer_lost(comm->tp_state, r->root)) res = T3D_ERR_PEER_LOST;
       else if (now > r->deadline_ns) res = T3D_ERR_TIMEOUT;
       if (res != T3D_IN_PROGRESS) {
         comm->tp->cancel(comm->tp_state, x);
-        snprintf(msg, sizeof msg, "t3d: %s rank %d on group '%s' (rank %d, tag %lld) %s (timeout %lld ms)", what,
-                 r->root, comm->name, comm->rank, (long long)r->tag, t3d__fail_verb(res), (long long)r->timeout_ms);
+        if (res == watched) {
+          snprintf(msg, sizeof msg, "t3d: %s rank %d on group '%s' (rank %d, tag %lld) %.800s", what, r->root, comm->name,
+                   comm->rank, (long long)r->tag, comm->watch_msg);
+        } else {
+          snprintf(msg, sizeof msg, "t3d: %s rank %d on group '%s' (rank %d, tag %lld) %s (timeout %lld ms)", what,
+                   r->root, comm->name, comm->rank, (long long)r->tag, t3d__fail_verb(res), (long long)r->timeout_ms);
+        }
       }
     }
     if (res == T3D_IN_PROGRESS) {

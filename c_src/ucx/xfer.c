@@ -2,6 +2,7 @@
  * operation over the transport, and the wait for a set of them, which fails on abort, deadline or a lost peer with
  * a message naming the ranks still awaited. */
 #include "ucx.h"
+#include "base/watch.h"
 
 #include <stdio.h>
 
@@ -9,19 +10,20 @@
 
 t3d_result_t t3d__isend(t3d_exec_t *ex, int peer, uint32_t step, const void *buf, size_t bytes, t3d_xfer_t *x) {
   t3d_comm_t *c = ex->comm;
-  return c->tp->isend(c->tp_state, peer, t3d__coll_tag(ex->seq, step, ex->rank), buf, bytes, x);
+  return c->tp->isend(c->tp_state, peer, t3d__coll_tag(ex->kind, ex->seq, step, ex->rank), buf, bytes, x);
 }
 
 t3d_result_t t3d__irecv(t3d_exec_t *ex, int peer, uint32_t step, void *buf, size_t bytes, t3d_xfer_t *x) {
   t3d_comm_t *c = ex->comm;
   x->truncate = 0;
-  return c->tp->irecv(c->tp_state, peer, t3d__coll_tag(ex->seq, step, peer), ~0ull, buf, bytes, x);
+  return c->tp->irecv(c->tp_state, peer, t3d__coll_tag(ex->kind, ex->seq, step, peer), ~0ull, buf, bytes, x);
 }
 
 t3d_result_t t3d__waitall(t3d_exec_t *ex, t3d_xfer_t *xs, int n) {
   t3d_comm_t *c = ex->comm;
   t3d_result_t res = T3D_OK;
   t3d_backoff_t b = {0};
+  int watched = 0;
   for (;;) {
     int pending = 0, lost = -1;
     for (int i = 0; i < n; i++) {
@@ -31,6 +33,7 @@ t3d_result_t t3d__waitall(t3d_exec_t *ex, t3d_xfer_t *xs, int n) {
     }
     if (pending == 0) break;
     if (atomic_load(&c->aborted)) res = T3D_ERR_ABORTED;
+    else if ((res = t3d__watch_check(c)) != T3D_OK) watched = 1; /* a peer lost or a failure told */
     else if (lost >= 0) res = T3D_ERR_PEER_LOST;
     else if (t3d__now_ns() > ex->deadline_ns) res = T3D_ERR_TIMEOUT;
     if (res != T3D_OK) break;
@@ -52,10 +55,15 @@ t3d_result_t t3d__waitall(t3d_exec_t *ex, t3d_xfer_t *xs, int n) {
       }
     }
     for (int i = 0; i < n; i++) c->tp->cancel(c->tp_state, &xs[i]);
-    snprintf(ex->error, sizeof ex->error,
-             "t3d: %s #%llu on group '%s' (rank %d of %d) %s (timeout %lld ms); still waiting for rank(s) %s", ex->opname,
-             (unsigned long long)ex->seq, c->name, ex->rank, ex->size, t3d__fail_verb(res), (long long)ex->timeout_ms,
-             ranks);
+    if (watched) {
+      snprintf(ex->error, sizeof ex->error, "t3d: %s #%llu on group '%s' (rank %d of %d) %.700s; still waiting "
+               "for rank(s) %s", ex->opname, (unsigned long long)ex->seq, c->name, ex->rank, ex->size, c->watch_msg, ranks);
+    } else {
+      snprintf(ex->error, sizeof ex->error,
+               "t3d: %s #%llu on group '%s' (rank %d of %d) %s (timeout %lld ms); still waiting for rank(s) %s",
+               ex->opname, (unsigned long long)ex->seq, c->name, ex->rank, ex->size, t3d__fail_verb(res),
+               (long long)ex->timeout_ms, ranks);
+    }
   } else {
     for (int i = 0; i < n; i++) {
       if (xs[i].status != T3D_OK) {
