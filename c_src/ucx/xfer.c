@@ -23,7 +23,7 @@ t3d_result_t t3d__waitall(t3d_exec_t *ex, t3d_xfer_t *xs, int n) {
   t3d_comm_t *c = ex->comm;
   t3d_result_t res = T3D_OK;
   t3d_backoff_t b = {0};
-  int watched = 0;
+  int watched = 0, lost_rank = -1;
   for (;;) {
     int pending = 0, lost = -1;
     for (int i = 0; i < n; i++) {
@@ -34,7 +34,7 @@ t3d_result_t t3d__waitall(t3d_exec_t *ex, t3d_xfer_t *xs, int n) {
     if (pending == 0) break;
     if (atomic_load(&c->aborted)) res = T3D_ERR_ABORTED;
     else if ((res = t3d__watch_check(c)) != T3D_OK) watched = 1; /* a peer lost or a failure told */
-    else if (lost >= 0) res = T3D_ERR_PEER_LOST;
+    else if (lost >= 0) res = T3D_ERR_PEER_LOST, lost_rank = lost;
     else if (t3d__now_ns() > ex->deadline_ns) res = T3D_ERR_TIMEOUT;
     if (res != T3D_OK) break;
     int progressed = c->tp->progress(c->tp_state);
@@ -55,7 +55,11 @@ t3d_result_t t3d__waitall(t3d_exec_t *ex, t3d_xfer_t *xs, int n) {
       }
     }
     for (int i = 0; i < n; i++) c->tp->cancel(c->tp_state, &xs[i]);
-    if (watched) {
+    if (res == T3D_ERR_PEER_LOST && !watched) { /* UCX saw it first (the connection reset): the watch says more */
+      snprintf(ex->error, sizeof ex->error, "t3d: %s #%llu on group '%s' (rank %d of %d) lost rank %d: its UCX "
+               "connection failed (the process died or its host is unreachable); still waiting for rank(s) %s",
+               ex->opname, (unsigned long long)ex->seq, c->name, ex->rank, ex->size, lost_rank, ranks);
+    } else if (watched) {
       snprintf(ex->error, sizeof ex->error, "t3d: %s #%llu on group '%s' (rank %d of %d) %.700s; still waiting "
                "for rank(s) %s", ex->opname, (unsigned long long)ex->seq, c->name, ex->rank, ex->size, c->watch_msg, ranks);
     } else {

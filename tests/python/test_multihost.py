@@ -1,0 +1,234 @@
+"""Groups across hosts, on hosts simulated with network namespaces (tests/python/_netns.py: own host name, IPC and
+/dev/shm, a veth link, addresses only inside the namespaces; root only): results are right, and a rank that dies, a
+host cut off the network, or ranks that call different collectives end every rank's wait within seconds, under a
+group timeout of two minutes. The errors are asserted word for word."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+
+import _dist
+import _netns
+
+WHY = _netns.available()
+pytestmark = [
+    pytest.mark.skipif(_dist.BACKEND != "t3d", reason="exercises t3d's transports and failure reporting"),
+    pytest.mark.skipif(bool(WHY), reason=f"simulated hosts: {WHY}"),
+]
+
+GROUP_TIMEOUT_S = 120.0  # far longer than any test allows: failures must be found another way
+
+
+def _init(rank: int, world: int, timeout_s: float = GROUP_TIMEOUT_S):
+    import torch
+    import torch.distributed as dist
+
+    import t3d  # noqa: F401
+
+    dist.init_process_group("t3d", init_method="env://", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s))
+    return torch, dist
+
+
+def _hard_exit(code: int = 0) -> None:
+    os._exit(code)  # the group is broken (or the test is over): no destroy, no finalizers that could wait
+
+
+# ---------- results across hosts ----------
+
+def _collectives(rank: int, world: int, report) -> None:
+    torch, dist = _init(rank, world)
+    host_peers = [[0, 1], [2, 3]]
+    local = [dist.new_group(g) for g in host_peers]  # ranks of one host: shared memory
+    cross = dist.new_group([1, 2])  # one rank of each host
+    x = torch.full((1000,), float(rank + 1))
+    dist.all_reduce(x)
+    assert torch.equal(x, torch.full((1000,), 10.0)), x[:4]
+    y = torch.full((70000,), float(rank))
+    dist.broadcast(y, src=3)
+    assert torch.equal(y, torch.full((70000,), 3.0)), y[:4]
+    out = [torch.empty(3) for _ in range(world)]
+    dist.all_gather(out, torch.full((3,), float(rank)))
+    assert [float(t[0]) for t in out] == [0.0, 1.0, 2.0, 3.0]
+    z = torch.full((5,), float(rank + 1))
+    dist.all_reduce(z, group=local[rank // 2])
+    assert torch.equal(z, torch.full((5,), 3.0 if rank < 2 else 7.0)), z
+    if rank in (1, 2):
+        w = torch.full((4,), float(rank))
+        dist.all_reduce(w, group=cross)
+        assert torch.equal(w, torch.full((4,), 3.0)), w
+    dist.barrier()
+    # Ranks leave one by one: a peer that shut down is never reported lost (the watch logs every loss it finds).
+    time.sleep(0.3 * rank)
+    dist.destroy_process_group()
+    time.sleep(0.3 * (world - rank))
+    report("done")
+
+
+@pytest.mark.timeout(150)
+def test_results_across_hosts_and_clean_shutdown(tmp_path):
+    log = str(tmp_path / "t3d-log")
+    with _netns.NetnsHosts(2) as hosts:
+        got = hosts.run(_collectives, 2, env={"T3D_DEBUG": "INFO", "T3D_DEBUG_FILE": log}, seconds=120)
+    for rank, events in got.items():
+        assert [e["what"] for e in events] == ["done"], f"rank {rank}: {events}"
+    logs = "".join(open(tmp_path / f).read() for f in os.listdir(tmp_path) if f.startswith("t3d-log"))
+    assert "over ucx" in logs, "no group went over UCX: the hosts were not apart"
+    assert "lost rank" not in logs and "broke the group" not in logs, logs[-3000:]
+
+
+# ---------- a rank dies ----------
+
+def _killed(rank: int, world: int, report) -> None:
+    torch, dist = _init(rank, world)
+    sub = dist.new_group([1, 3])  # across hosts, with the rank that dies
+    x = torch.ones(4096)
+    dist.all_reduce(x)
+    report("ready")
+    if rank == 3:  # dies at a random point, likely inside a collective
+        def die():
+            report("dying")
+            os.kill(os.getpid(), signal.SIGKILL)
+        threading.Timer(0.2 + (os.getpid() % 7) / 10, die).start()
+    try:
+        for _ in range(1_000_000):
+            dist.all_reduce(x)
+            if rank in (1, 3):
+                dist.all_reduce(x, group=sub)
+        report("done")
+    except Exception as exc:  # noqa: BLE001
+        report("raised", error=str(exc))
+    _hard_exit()
+
+
+# What a survivor says: found the loss itself (in its wait, or before a later collective started), or was told by
+# the rank that found it.
+def _lost_or_told(rank: int, world_or_sub: str, lost: str) -> str:
+    op = r"allreduce #\d+ on group '\d+'"
+    me = rf"\(rank \d of \d\)"
+    return (rf"t3d: {op} {me} {lost}; still waiting for rank\(s\) [\d, ]+"
+            rf"|t3d: {op} {me} failed: rank \d broke the group: t3d: {op} {me} "
+            rf"|t3d: allreduce #\d+ on group '\d+' \(rank \d\) not run: the communicator is broken by an earlier "
+            rf"error: ({lost}|failed: rank \d broke the group: t3d: {op} {me})")
+
+
+@pytest.mark.timeout(150)
+def test_killed_rank_fails_every_rank_on_both_hosts():
+    with _netns.NetnsHosts(2) as hosts:
+        got = hosts.run(_killed, 2, seconds=90, want={0, 1, 2})
+    died = [e["t"] for e in got[3] if e["what"] == "dying"]
+    assert died, f"rank 3 never got to die: {got[3]}"
+    # Found by the watch (its connection closed), or first by UCX (the rank's UCX connection reset).
+    lost = r"lost rank [13]( \(pid \d+ on host 'host1'\): its connection closed without a goodbye \(the process " \
+           r"died or was killed\)|: its UCX connection failed \(the process died or its host is unreachable\))"
+    for rank in (0, 1, 2):
+        ends = [e for e in got[rank] if e["what"] in ("raised", "done", "crashed")]
+        assert ends and ends[0]["what"] == "raised", f"rank {rank} did not raise (hang?): {got[rank]}"
+        dt = ends[0]["t"] - died[0]
+        assert dt < 10, f"rank {rank} took {dt:.1f} s to fail (group timeout {GROUP_TIMEOUT_S} s)"
+        msg = ends[0]["error"]
+        assert re.search(_lost_or_told(rank, "", lost), msg), f"rank {rank}: unexpected error text: {msg!r}"
+        assert "rank 3" in msg or "rank 1" in msg
+
+
+# ---------- a host is cut off ----------
+
+def _partitioned(rank: int, world: int, report) -> None:
+    torch, dist = _init(rank, world)
+    x = torch.ones(256)
+    dist.all_reduce(x)
+    report("ready")
+    try:
+        for _ in range(10_000_000):
+            dist.all_reduce(x)
+        report("done")
+    except Exception as exc:  # noqa: BLE001
+        report("raised", error=str(exc))
+    _hard_exit()
+
+
+@pytest.mark.timeout(150)
+def test_partition_fails_every_rank_within_the_peer_timeout():
+    cut = {}
+    with _netns.NetnsHosts(2) as hosts:
+        ready = set()
+
+        def on_event(ev):
+            if ev["what"] == "ready":
+                ready.add(ev["rank"])
+                if ready == {0, 1, 2, 3} and not cut:
+                    time.sleep(0.5)  # collectives are running
+                    hosts.cut(1)
+                    cut["t"] = time.time()
+
+        got = hosts.run(_partitioned, 2, seconds=90, on_event=on_event, env={"T3D_PEER_TIMEOUT_MS": "3000"})
+    assert cut, f"the ranks never got ready: {got}"
+    silent = r"lost rank \d \(pid \d+ on host 'host\d'\): nothing heard from it for 3000 ms \(T3D_PEER_TIMEOUT_MS\): " \
+             r"its host is down or unreachable"
+    for rank in range(4):
+        ends = [e for e in got[rank] if e["what"] in ("raised", "done", "crashed")]
+        assert ends and ends[0]["what"] == "raised", f"rank {rank} did not raise (hang?): {got[rank]}"
+        dt = ends[0]["t"] - cut["t"]
+        assert dt < 3 + 7, f"rank {rank} took {dt:.1f} s after the cut to fail (peer timeout 3 s)"
+        msg = ends[0]["error"]
+        assert re.search(_lost_or_told(rank, "", silent), msg), f"rank {rank}: unexpected error text: {msg!r}"
+        # Each side lost the other side's ranks.
+        other = "host1" if rank < 2 else "host0"
+        assert f"on host '{other}'" in msg, f"rank {rank}: {msg!r}"
+
+
+# ---------- ranks call different collectives ----------
+
+def _desync(rank: int, world: int, report) -> None:
+    torch, dist = _init(rank, world)
+    x = torch.full((64,), float(rank + 1))
+    dist.all_reduce(x)
+    report("ready")
+    try:
+        if rank == 0:
+            dist.all_reduce(x)
+        else:
+            dist.broadcast(x, src=0)
+        report("done", data=[float(v) for v in x[:2]])
+    except Exception as exc:  # noqa: BLE001
+        report("raised", error=str(exc))
+    _hard_exit()
+
+
+@pytest.mark.timeout(150)
+def test_desync_across_hosts_never_returns_wrong_data():
+    """Without a debug switch the ranks never take each other's messages (tags carry the operation): each waits
+    until its timeout, and the first to time out tells the others."""
+    with _netns.NetnsHosts(2) as hosts:
+        got = hosts.run(_desync, 2, seconds=90, env={"T3D_TIMEOUT_MS": "3000"})
+    for rank in range(4):
+        ends = [e for e in got[rank] if e["what"] in ("raised", "done", "crashed")]
+        assert ends and ends[0]["what"] == "raised", f"rank {rank} returned (wrong data?) or hung: {got[rank]}"
+        op = "allreduce" if rank == 0 else "broadcast"
+        own = rf"t3d: {op} #2 on group '0' \(rank {rank} of 4\) timed out \(timeout 3000 ms\); still waiting for " \
+              rf"rank\(s\) [\d, ]+"
+        told = rf"t3d: {op} #2 on group '0' \(rank {rank} of 4\) failed: rank \d broke the group: t3d: " \
+               rf"(allreduce|broadcast) #2 on group '0' \(rank \d of 4\) timed out"
+        msg = ends[0]["error"]
+        assert re.search(f"{own}|{told}", msg), f"rank {rank}: unexpected error text: {msg!r}"
+
+
+@pytest.mark.timeout(150)
+def test_desync_across_hosts_under_torch_debug_detail_names_both_calls():
+    """TORCH_DISTRIBUTED_DEBUG=DETAIL: torch wraps the group and compares every collective's fingerprint first."""
+    with _netns.NetnsHosts(2) as hosts:
+        got = hosts.run(_desync, 2, seconds=90,
+                        env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL", "GLOO_SOCKET_IFNAME": "eth0"})
+    for rank in range(4):
+        ends = [e for e in got[rank] if e["what"] in ("raised", "done", "crashed")]
+        assert ends and ends[0]["what"] == "raised", f"rank {rank} returned or hung: {got[rank]}"
+        msg = ends[0]["error"]
+        assert "Detected mismatch between collectives on ranks" in msg, f"rank {rank}: {msg!r}"
+        assert "ALLREDUCE" in msg and "BROADCAST" in msg, f"rank {rank}: {msg!r}"
