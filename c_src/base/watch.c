@@ -38,7 +38,9 @@ typedef struct {
   uint32_t magic;
   uint16_t type, len; /* len: payload bytes after the header */
   int32_t rank;       /* ABORT: the sender's rank in the group */
-  int32_t code;       /* ABORT: its error code */
+  int32_t origin;     /* ABORT: the rank whose failure it reports (the sender, or who told the sender) */
+  int32_t code;       /* ABORT: that failure's error code */
+  int32_t pad;
   uint64_t group;     /* ABORT: the group's id (group_id) */
   uint64_t key;       /* the sender process's key */
 } frame_t;
@@ -71,6 +73,8 @@ struct t3d_watch_reg {
   uint64_t group;
   peer_t **peers; /* per rank; NULL for this rank and unwatched peers */
   int told;       /* t3d__watch_tell sent its report */
+  int origin;     /* -1, or the rank whose failure a peer told of (origin_msg: its text) */
+  char origin_msg[MAX_PAYLOAD + 1];
   struct t3d_watch_reg *next;
 };
 
@@ -117,9 +121,9 @@ static void wake(void) {
 
 /* Non-blocking, never SIGPIPE; a frame that does not fit the socket's buffer is dropped (a heartbeat: the next one
  * follows; a report: the peer learns of the failure from its own wait). */
-static void send_frame(int fd, int type, int rank, int code, uint64_t group, const char *payload) {
+static void send_frame(int fd, int type, int rank, int origin, int code, uint64_t group, const char *payload) {
   char buf[sizeof(frame_t) + MAX_PAYLOAD];
-  frame_t f = {MAGIC, (uint16_t)type, 0, rank, code, group, W.key};
+  frame_t f = {MAGIC, (uint16_t)type, 0, rank, origin, code, 0, group, W.key};
   size_t n = payload ? strnlen(payload, MAX_PAYLOAD - 1) + 1 : 0;
   f.len = (uint16_t)n;
   memcpy(buf, &f, sizeof f);
@@ -161,8 +165,11 @@ static void peer_lost(peer_t *p, const char *why) {
 static void on_abort(peer_t *p, const frame_t *f, const char *msg) {
   for (struct t3d_watch_reg *g = W.regs; g != NULL; g = g->next) {
     if (g->group != f->group || f->rank < 0 || f->rank >= g->comm->size || g->peers[f->rank] != p) continue;
-    comm_event(g->comm, f->code < 0 ? (t3d_result_t)f->code : T3D_ERR_PEER_LOST, 1, "failed: rank %d broke the group: %s",
-               f->rank, msg);
+    if (f->origin < 0 || f->origin >= g->comm->size) continue;
+    g->origin = f->origin;
+    snprintf(g->origin_msg, sizeof g->origin_msg, "%s", msg);
+    comm_event(g->comm, f->code < 0 ? (t3d_result_t)f->code : T3D_ERR_PEER_LOST, 1, "failed: rank %d broke the group: "
+               "%s", f->origin, msg);
   }
 }
 
@@ -207,7 +214,7 @@ static int parse(conn_t *c) {
       c->peer = peer_get(f.key, pid, host);
       if (c->peer == NULL) return 0;
       c->peer->state = ALIVE; /* back after a goodbye: a new group */
-      send_frame(c->fd, F_GREET, 0, 0, 0, NULL);
+      send_frame(c->fd, F_GREET, 0, 0, 0, 0, NULL);
     } else if (c->peer == NULL || c->peer->key != f.key) {
       return 0;
     }
@@ -261,7 +268,7 @@ static void *watch_main(void *arg) {
     uint64_t now = t3d__now_ns();
     if (now >= next_beat) {
       for (peer_t *p = W.peers; p != NULL; p = p->next) {
-        if (p->out_fd >= 0 && !p->close_out) send_frame(p->out_fd, F_BEAT, 0, 0, 0, NULL);
+        if (p->out_fd >= 0 && !p->close_out) send_frame(p->out_fd, F_BEAT, 0, 0, 0, 0, NULL);
       }
       next_beat = now + (uint64_t)beat_ms * 1000000ull;
     }
@@ -344,7 +351,7 @@ static void *watch_main(void *arg) {
 static void at_exit(void) { /* a process that ends normally leaves; only a death counts as a loss */
   pthread_mutex_lock(&W.mu);
   for (peer_t *p = W.peers; p != NULL; p = p->next) {
-    if (p->out_fd >= 0 && !p->close_out) send_frame(p->out_fd, F_BYE, 0, 0, 0, NULL), p->close_out = 1;
+    if (p->out_fd >= 0 && !p->close_out) send_frame(p->out_fd, F_BYE, 0, 0, 0, 0, NULL), p->close_out = 1;
   }
   pthread_mutex_unlock(&W.mu);
 }
@@ -458,7 +465,7 @@ static int dial(const char *addrs, int port, uint64_t key, int same_host) {
       setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
       char hello[480];
       snprintf(hello, sizeof hello, "%d %s", (int)getpid(), W.ident);
-      send_frame(fd, F_HELLO, 0, 0, 0, hello);
+      send_frame(fd, F_HELLO, 0, 0, 0, 0, hello);
       frame_t f;
       ok = read_full(fd, &f, sizeof f, deadline) == 0 && f.magic == MAGIC && f.type == F_GREET && f.key == key;
     }
@@ -530,6 +537,7 @@ t3d_result_t t3d__watch_join(t3d_comm_t *comm) {
   if (res == T3D_OK) {
     pthread_mutex_lock(&W.mu);
     g->comm = comm;
+    g->origin = -1;
     g->group = group_id(comm);
     g->next = W.regs;
     W.regs = g;
@@ -561,7 +569,7 @@ void t3d__watch_leave(t3d_comm_t *comm) {
   for (int r = 0; r < comm->size; r++) {
     peer_t *p = g->peers[r];
     if (p == NULL || --p->refs > 0) continue;
-    if (p->out_fd >= 0 && !p->close_out) send_frame(p->out_fd, F_BYE, 0, 0, 0, NULL), p->close_out = 1;
+    if (p->out_fd >= 0 && !p->close_out) send_frame(p->out_fd, F_BYE, 0, 0, 0, 0, NULL), p->close_out = 1;
   }
   pthread_mutex_unlock(&W.mu);
   wake();
@@ -574,11 +582,16 @@ void t3d__watch_tell(t3d_comm_t *comm, t3d_result_t res, const char *msg) {
   struct t3d_watch_reg *g = comm->watch;
   if (g == NULL) return;
   pthread_mutex_lock(&W.mu);
-  if (!g->told) {
+  if (!g->told) { /* a failure that a peer told of goes on as it came, not wrapped in this rank's words */
     g->told = 1;
+    int origin = g->origin >= 0 ? g->origin : comm->rank;
+    const char *text = g->origin >= 0 ? g->origin_msg : msg;
+    if (g->origin >= 0) res = (t3d_result_t)atomic_load(&comm->watch_res);
     for (int r = 0; r < comm->size; r++) {
       peer_t *p = g->peers[r];
-      if (p != NULL && p->out_fd >= 0 && !p->close_out) send_frame(p->out_fd, F_ABORT, comm->rank, res, g->group, msg);
+      if (p != NULL && p->out_fd >= 0 && !p->close_out) {
+        send_frame(p->out_fd, F_ABORT, comm->rank, origin, res, g->group, text);
+      }
     }
   }
   pthread_mutex_unlock(&W.mu);
