@@ -115,10 +115,10 @@ def _one(rng: random.Random, i: int, groups: list[list[int]], kinds=None, world_
 
 
 def plan_calls(seed: int, world: int, calls: int, groups: list[list[int]] | None = None, batches: bool = True,
-               world_only: bool = False):
+               world_only: bool = False, kinds: list[str] | None = None):
     """Yields steps: lists of call specs. A list of one is issued on its own (synchronously, or async and waited at
     once); a longer list is an asynchronous batch, all in flight before any is waited. Without `batches` every step
-    is one call; with `world_only` every call is on the world group."""
+    is one call; with `world_only` every call is on the world group; `kinds` limits the kinds drawn."""
     groups = groups or plan_groups(seed, world)
     rng = random.Random(seed)
     i = 0
@@ -127,13 +127,13 @@ def plan_calls(seed: int, world: int, calls: int, groups: list[list[int]] | None
             k = min(rng.randint(2, 6), calls - i)
             batch = []
             for _ in range(k):
-                s = _one(rng, i, groups, ASYNC_KINDS, world_only)
+                s = _one(rng, i, groups, [k for k in ASYNC_KINDS if kinds is None or k in kinds], world_only)
                 s["async"] = True
                 batch.append(s)
                 i += 1
             yield batch
         else:
-            s = _one(rng, i, groups, None, world_only)
+            s = _one(rng, i, groups, kinds, world_only)
             s["async"] = rng.random() < 0.25
             i += 1
             yield [s]
