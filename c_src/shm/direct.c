@@ -7,12 +7,29 @@
 #include "shm.h"
 
 #include <errno.h>
+#include <signal.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
 /* ---------- cross-memory attach ---------- */
+
+/* Whether process pid is gone: no such process, or a zombie (exited, not yet reaped by its parent). The liveness
+ * checks of the collectives' waits (sync.c) and of point-to-point (p2p.c) use it. */
+int t3d__shm_process_gone(int32_t pid) {
+  if (kill((pid_t)pid, 0) != 0) return errno == ESRCH;
+  char path[48], buf[256];
+  snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+  FILE *f = fopen(path, "r");
+  if (f == NULL) return 0;
+  size_t n = fread(buf, 1, sizeof buf - 1, f);
+  fclose(f);
+  buf[n] = '\0';
+  const char *end = strrchr(buf, ')'); /* "pid (comm) S ...": the name may hold spaces and parentheses */
+  return end != NULL && end[1] == ' ' && (end[2] == 'Z' || end[2] == 'X');
+}
+
 
 /* Point-to-point reads a peer's buffer with process_vm_readv (cross-memory attach), which a seccomp filter, the Yama
  * LSM or differing users can forbid. Each rank checks that it can read this word in another rank's process. */

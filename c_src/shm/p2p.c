@@ -75,6 +75,8 @@ typedef struct unexp {
 
 struct t3d_shm_p2p {
   t3d_comm_t *comm;
+  t3d_shm_t *shm;         /* the peers' process ids and how often to check them */
+  uint64_t alive_checked; /* when the requests' peers were last checked */
   int rank, size, pid;
   char *region; /* records, then rings */
   size_t eager, slot_bytes, ring_bytes;
@@ -160,6 +162,7 @@ static t3d_result_t p2p_new(t3d_comm_t *comm, t3d_shm_t *s, char *region, size_t
   if (p == NULL) return T3D_ERR_NO_MEMORY;
   int n = s->size;
   p->comm = comm;
+  p->shm = s;
   p->rank = s->rank;
   p->size = n;
   p->pid = s->pid; /* the segment state already knows this process */
@@ -245,6 +248,22 @@ static void fail(t3d_shm_p2p_t *p, done_list_t *d, t3d_request_t *r, t3d_result_
            r->kind == T3D_OP_SEND ? "send to" : "recv from", peer, c->name, c->rank, (long long)r->tag,
            fail_verb(res), (long long)r->timeout_ms);
   finish(p, d, r, res, msg);
+}
+
+/* Peer q's process id when its process has exited, else 0. */
+static int32_t peer_gone(const t3d_shm_p2p_t *p, int q) {
+  if (q < 0 || q >= p->size || q == p->rank) return 0;
+  int32_t pid = atomic_load_explicit(t3d__shm_pid(p->shm, q), memory_order_acquire);
+  return pid > 0 && pid != (int32_t)p->pid && t3d__shm_process_gone(pid) ? pid : 0;
+}
+
+static void fail_lost(t3d_shm_p2p_t *p, done_list_t *d, t3d_request_t *r, int32_t pid) {
+  char msg[512];
+  t3d_comm_t *c = p->comm;
+  snprintf(msg, sizeof msg, "t3d: %s rank %d on group '%s' (rank %d, tag %lld) lost rank %d: its process (pid %d) "
+           "has exited", r->kind == T3D_OP_SEND ? "send to" : "recv from", r->root, c->name, c->rank,
+           (long long)r->tag, r->root, (int)pid);
+  finish(p, d, r, T3D_ERR_PEER_LOST, msg);
 }
 
 /* ---------- sender ---------- */
@@ -464,6 +483,50 @@ static void post_recv(t3d_shm_p2p_t *p, done_list_t *d, t3d_request_t *r) {
 
 /* ---------- passes ---------- */
 
+/* Fails what waits on a rank whose process has exited (checked every liveness_ns, as collective waits check the
+ * ranks they wait for): a receive from it, a send queued for it, a rendezvous send it was to read. Without this a
+ * peer killed mid-exchange left the other side waiting for its whole timeout. An any-source receive waits on:
+ * another rank may still send. */
+static void fail_lost_peers(t3d_shm_p2p_t *p, done_list_t *d, uint64_t now) {
+  if (p->shm->liveness_ns == 0 || now - p->alive_checked < p->shm->liveness_ns) return;
+  p->alive_checked = now;
+  int32_t pid;
+  for (t3d_request_t **l = &p->recvs, *prev = NULL; *l != NULL;) {
+    t3d_request_t *r = *l;
+    if (r->root == T3D_ANY_SOURCE || (pid = peer_gone(p, r->root)) == 0) {
+      prev = r;
+      l = &r->next;
+      continue;
+    }
+    unlink_recv(p, l, prev);
+    fail_lost(p, d, r, pid);
+  }
+  for (int q = 0; q < p->size && p->queued > 0; q++) {
+    if (p->sendq_head[q] == NULL || (pid = peer_gone(p, q)) == 0) continue;
+    while (p->sendq_head[q] != NULL) {
+      t3d_request_t *r = p->sendq_head[q];
+      p->sendq_head[q] = r->next;
+      p->queued--;
+      fail_lost(p, d, r, pid);
+    }
+    p->sendq_tail[q] = NULL;
+  }
+  for (t3d_request_t **l = &p->rdv; *l != NULL;) {
+    t3d_request_t *r = *l;
+    _Atomic uint64_t *w = record(p, p->rank, r->shm_rec);
+    if (atomic_load_explicit(w, memory_order_acquire) == REC_WORD(r->shm_gen, REC_DONE) ||
+        (pid = peer_gone(p, r->root)) == 0) {
+      l = &r->next; /* done ones: reap_rdv completes them */
+      continue;
+    }
+    /* Its reader is gone (whether or not it had begun to read): nobody will mark the record done. */
+    atomic_store_explicit(w, REC_WORD(r->shm_gen, REC_IDLE), memory_order_release);
+    *l = r->next;
+    p->free_recs[p->nfree++] = r->shm_rec;
+    fail_lost(p, d, r, pid);
+  }
+}
+
 /* Fails what passed its deadline (everything, on abort) and reaps finished rendezvous sends. */
 static void expire(t3d_shm_p2p_t *p, done_list_t *d, uint64_t now, int aborted) {
   t3d_result_t res = aborted ? T3D_ERR_ABORTED : T3D_ERR_TIMEOUT;
@@ -509,7 +572,9 @@ static int pass(t3d_shm_p2p_t *p, done_list_t *d) {
   }
   int aborted = atomic_load(&p->comm->aborted);
   if (p->rdv != NULL || aborted || p->recvs != NULL || p->queued > 0) {
-    expire(p, d, t3d__now_ns(), aborted); /* also completes finished rendezvous sends */
+    uint64_t now = t3d__now_ns();
+    expire(p, d, now, aborted); /* also completes finished rendezvous sends */
+    if (!aborted) fail_lost_peers(p, d, now);
   }
   return before - atomic_load_explicit(&p->active, memory_order_relaxed);
 }

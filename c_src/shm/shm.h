@@ -339,6 +339,8 @@ static inline t3d_shm_t *t3d__exec_shm(t3d_exec_t *ex) {
 /* Tells the other ranks that this rank's operation broke the communicator (res, msg): the first such report wins,
  * and every wait of the others then fails with it (sync.c). */
 void t3d__shm_report_failure(t3d_shm_t *s, t3d_result_t res, const char *msg);
+/* Whether process pid is gone: no such process, or a zombie (direct.c; the liveness checks of waits and p2p.c). */
+int t3d__shm_process_gone(int32_t pid);
 t3d_result_t t3d__shm_check_all_info(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step_t *st, int kind,
                                      uint64_t sig);
 

@@ -129,20 +129,6 @@ void t3d__shm_report_failure(t3d_shm_t *s, t3d_result_t res, const char *msg) {
   atomic_store_explicit(&h->failed_ready, 1, memory_order_release);
 }
 
-/* Whether process pid is gone: no such process, or a zombie (exited, not yet reaped by its parent). */
-static int process_gone(int32_t pid) {
-  if (kill((pid_t)pid, 0) != 0) return errno == ESRCH;
-  char path[48], buf[256];
-  snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
-  FILE *f = fopen(path, "r");
-  if (f == NULL) return 0;
-  size_t n = fread(buf, 1, sizeof buf - 1, f);
-  fclose(f);
-  buf[n] = '\0';
-  const char *end = strrchr(buf, ')'); /* "pid (comm) S ...": the name may hold spaces and parentheses */
-  return end != NULL && end[1] == ' ' && (end[2] == 'Z' || end[2] == 'X');
-}
-
 /* Checked between polls of a wait (every 16th round, after abort and deadline): another rank reported that the
  * communicator broke (its error becomes this operation's), or a rank awaited here has no process any more (checked
  * every s->liveness_ns; ranks that are threads of this process, or whose process id is not written yet, are not). */
@@ -169,7 +155,7 @@ static t3d_result_t check_peers(t3d_shm_t *s, t3d_exec_t *ex, int lo, int hi, ui
   for (int p = lo; p < hi; p++) {
     if (p == s->rank || atomic_load_explicit(t3d__shm_flag(s, p), memory_order_acquire) >= target) continue;
     int32_t pid = atomic_load_explicit(t3d__shm_pid(s, p), memory_order_acquire);
-    if (pid <= 0 || pid == (int32_t)s->pid || !process_gone(pid)) continue;
+    if (pid <= 0 || pid == (int32_t)s->pid || !t3d__shm_process_gone(pid)) continue;
     char names[256];
     describe_missing(s, lo, hi, target, names, sizeof names);
     snprintf(ex->error, sizeof ex->error, "t3d: %s #%llu on group '%s' (rank %d of %d) lost rank %d: its process "
