@@ -235,7 +235,7 @@ uint64_t Recorder::record(const OpInfo& info) {
   }
   e.thread = std::this_thread::get_id();
   e.error.clear();
-  e.frames = std::move(frames);
+  if (!frames.empty() || !e.frames.empty()) e.frames = std::move(frames);
   if (!p2p) g.lastEnqueued = static_cast<int64_t>(g.collSeq);
   if (p2p) {
     start(e, now);  // posted at once; it does not wait behind the group's collectives
@@ -349,7 +349,7 @@ std::string Recorder::pickled() {
         name += e->peer < 0 ? c10::str(" ", e->rank, "<-?") : c10::str(" ", e->rank, "<-", e->peer);
       }
       size_t at = 0;
-      auto sizes = [&](const std::vector<int16_t>& dims) {
+      auto sizes = [&](const c10::SmallVector<int16_t, 4>& dims) {
         GenericList l = newList();
         for (int16_t d : dims) {
           GenericList one = newList();
@@ -358,7 +358,7 @@ std::string Recorder::pickled() {
         }
         return l;
       };
-      auto dtypes = [](const std::vector<c10::ScalarType>& types) {
+      auto dtypes = [](const c10::SmallVector<c10::ScalarType, 4>& types) {
         GenericList l = newList();
         for (c10::ScalarType t : types) l.push_back(std::string(c10::toString(t)));
         return l;

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <c10/util/SmallVector.h>
 
 #include <atomic>
 #include <cstdint>
@@ -111,11 +112,13 @@ class Recorder {
     int64_t started = 0;
     int64_t completed = 0;
     // Per tensor: its number of dimensions; the sizes of all of them one after the other (inputs, then outputs).
-    std::vector<int16_t> inDims;
-    std::vector<int16_t> outDims;
-    std::vector<int64_t> sizes;
-    std::vector<c10::ScalarType> inTypes;
-    std::vector<c10::ScalarType> outTypes;
+    // Stored in the entry itself for the common case (a few tensors of a few dimensions): recording then touches
+    // one contiguous slot, not five heap blocks.
+    c10::SmallVector<int16_t, 4> inDims;
+    c10::SmallVector<int16_t, 4> outDims;
+    c10::SmallVector<int64_t, 8> sizes;
+    c10::SmallVector<c10::ScalarType, 4> inTypes;
+    c10::SmallVector<c10::ScalarType, 4> outTypes;
     std::thread::id thread;
     std::string error;
     std::vector<Frame> frames;
