@@ -6,7 +6,8 @@ Worlds of 4 ranks on one host: (a) rank 2 calls all_reduce where the others call
 mismatch at once and every rank dumps); (b) rank 3 never joins all_reduce #3, the others time out after
 T3D_TIMEOUT_MS=3000 and dump, and rank 0 then sends rank 3 SIGUSR1, on which its handler (dump_on_signal) dumps.
 The analyser is the installed torch's (`python -m torch.distributed.flight_recorder.fr_trace`); the torch 2.9.1
-wheel ships none, so there only the dumps are checked."""
+wheel ships none, so there only the dumps are checked, unless T3D_TEST_FR_ANALYSER_PYTHON names the Python of an
+environment whose torch has one (e.g. the newest test venv): then that one reads the older stack's dumps."""
 
 from __future__ import annotations
 
@@ -28,9 +29,14 @@ WORLD = 4
 pytestmark = pytest.mark.skipif(_dist.BACKEND != "t3d", reason="t3d's flight recorder")
 
 
+ANALYSER_PYTHON = os.environ.get("T3D_TEST_FR_ANALYSER_PYTHON")
+
+
 def _analyser_or_none():
     from t3d._compat.torch_compat import CompatError, flight_recorder_analyser
 
+    if ANALYSER_PYTHON:
+        return ANALYSER_PYTHON
     try:
         return flight_recorder_analyser()
     except CompatError:
@@ -51,7 +57,9 @@ def _analyse(d: str) -> str:
     that it does not know."""
     import t3d.flight_recorder as fr
 
-    res = subprocess.run(fr.analyser_command(d, PREFIX), capture_output=True, text=True, timeout=120,
+    cmd = ([ANALYSER_PYTHON, "-m", "torch.distributed.flight_recorder.fr_trace", d, "-p", PREFIX] if ANALYSER_PYTHON
+           else fr.analyser_command(d, PREFIX))
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
                          env=dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0"))
     assert res.returncode == 0, f"analyser failed ({res.returncode}):\n{res.stdout}\n{res.stderr}"
     text = "\n".join(line for line in (res.stdout + res.stderr).splitlines()
