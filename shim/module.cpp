@@ -125,6 +125,33 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return d;
   });
 
+  // The flight recorder (t3d.flight_recorder): the dump is built and written with the GIL released, so a dump
+  // never waits on a thread that records while it waits for the GIL (stack capture).
+  m.def(
+      "_fr_pickled",
+      []() {
+        std::string data;
+        {
+          py::gil_scoped_release nogil;
+          data = t3d_shim::fr::Recorder::get().pickled();
+        }
+        return py::bytes(data);
+      },
+      "The flight recorder's dump, pickled in the format of torch's flight recorder.");
+  m.def(
+      "_fr_write",
+      [](const std::string& path) { return t3d_shim::fr::Recorder::get().writeDump(path); }, py::arg("path") = "",
+      py::call_guard<py::gil_scoped_release>(),
+      "Writes the dump to path (empty: <TORCH_FR_DUMP_TEMP_FILE><global rank>) and returns the path.");
+  m.def("_fr_default_path", []() { return t3d_shim::fr::Recorder::get().defaultPath(); });
+  m.def("_fr_buffer_size", []() { return t3d_shim::fr::Recorder::get().capacity(); });
+  m.def(
+      "_fr_reset", [](size_t n) { t3d_shim::fr::Recorder::get().reset(n); }, py::arg("buffer_size"),
+      py::call_guard<py::gil_scoped_release>());
+  m.def("_fr_stack_capture", []() { return t3d_shim::fr::Recorder::get().stackCapture(); });
+  m.def(
+      "_fr_set_stack_capture", [](bool on) { t3d_shim::fr::Recorder::get().setStackCapture(on); }, py::arg("on"));
+
   m.def("_params", &paramList,
         "The environment variables t3d reads, with their effective values (libt3d's registry, t3d_param_get).");
 }

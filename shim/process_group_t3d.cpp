@@ -77,6 +77,7 @@ ProcessGroupT3D::ProcessGroupT3D(std::shared_ptr<StoreAdapter> store, std::share
       groupName_(std::move(groupName)),
       globalRanks_(std::move(globalRanks)) {
   init();
+  frPg_ = fr::Recorder::get().addGroup(groupName_, globalRanks_, rank_, size_);
 }
 
 ProcessGroupT3D::~ProcessGroupT3D() {
@@ -176,9 +177,16 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::run(c10d::OpType type, const OpC
               ": a coalescing block takes tensors of one device type; it began with ", *coalescingDevice_);
   if (coalescing_ && !coalescingDevice_) coalescingDevice_ = at::Device(at::kCPU);
   uint64_t seq = ++seq_;
+  const uint64_t fid = frRecord(type, c, p, timeoutMs(timeout), false);
   auto work = c10::make_intrusive<WorkT3D>(comm_, rank_, type, c.op, groupName_, seq, timeoutMs(timeout),
                                            std::move(p.outputs));
-  work->setRequest(issuePlan(c, p, o));
+  work->setRecord(fid);
+  try {
+    work->setRequest(issuePlan(c, p, o));
+  } catch (const std::exception& e) {
+    frNotIssued(fid, e);
+    throw;
+  }
   for (auto& t : p.keep) work->keepAlive(t);
   if (!p.post.empty()) {
     // The post steps (copy-back into the caller's tensors) run on the progress thread: they do so under the
@@ -230,10 +238,18 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::runDevice(c10d::OpType type, con
   uint64_t seq = ++seq_;
   std::vector<at::Tensor> tensors = p.keep;
   tensors.insert(tensors.end(), p.outputs.begin(), p.outputs.end());
+  const uint64_t fid = frRecord(type, c, p, o.timeout_ms, true);
   auto work = c10::make_intrusive<WorkT3DDevice>(comm_, rank_, type, c.op, groupName_, seq,
                                                  timeoutMs(std::chrono::milliseconds(o.timeout_ms)), p.outputs,
                                                  ds.device);
-  t3d_request_t* req = issuePlan(c, p, o);
+  work->setRecord(fid);
+  t3d_request_t* req = nullptr;
+  try {
+    req = issuePlan(c, p, o);
+  } catch (const std::exception& e) {
+    frNotIssued(fid, e);
+    throw;
+  }
   DevicePending pending{std::move(p.post), std::move(tensors), std::move(p.outputs), work, req};
   if (coalescing_) {
     coalescedDevice_.push_back(std::move(pending));
@@ -266,7 +282,37 @@ void ProcessGroupT3D::finishDevice(const OpCtx& c, DevicePending& pending) {
     if (t.defined() && t.has_storage()) impl.recordDataPtrOnStream(t.storage().data_ptr(), ds.comm);
   }
   pending.work->markEnqueued(ds.comm);
+  fr::Recorder::get().markStarted(pending.work->record());
   if (req != nullptr) t3d_request_free(req);
+}
+
+// ---- flight recorder --------------------------------------------------------------------------------------------
+
+uint64_t ProcessGroupT3D::frRecord(c10d::OpType type, const OpCtx& c, const Plan& p, int64_t timeoutMs, bool device) {
+  fr::Recorder& rec = fr::Recorder::get();
+  if (!rec.enabled()) return fr::kNoRecord;
+  if (!frDesc_) {
+    rec.setGroupDesc(frPg_, getGroupDesc());
+    frDesc_ = true;
+  }
+  const bool p2p = type == c10d::OpType::SEND || type == c10d::OpType::RECV || type == c10d::OpType::RECVANYSOURCE;
+  const at::TensorList out = p.frOut ? *p.frOut : at::TensorList(p.outputs);
+  const at::TensorList in = p.frIn ? *p.frIn : out;
+  return rec.record(fr::OpInfo{frPg_, c.op, p2p, device, p.frPeer, in, out, timeoutMs});
+}
+
+void ProcessGroupT3D::frNotIssued(uint64_t id, const std::exception& e) {
+  const auto* ce = dynamic_cast<const c10::Error*>(&e);
+  std::string what = ce != nullptr ? ce->what_without_backtrace() : e.what();
+  fr::Recorder& rec = fr::Recorder::get();
+  rec.retire(id, false, what);
+  // A call refused because the group is already broken is part of the failure; a bad argument is not.
+  bool broken;
+  {
+    std::lock_guard<std::mutex> lk(comm_->mu);
+    broken = comm_->state == CommHandle::kAlive && t3d_comm_status(comm_->comm) != T3D_OK;
+  }
+  if (broken) rec.dumpOnFailure(what);
 }
 
 // ---- coalescing -------------------------------------------------------------------------------------------------
@@ -280,6 +326,7 @@ void ProcessGroupT3D::startCoalescing() {
   OpCtx c = ctx("startCoalescing");
   TORCH_CHECK(!coalescing_, "t3d: startCoalescing on rank ", rank_, " while a coalescing block is already open");
   check(c, t3d_group_start(comm()), "t3d_group_start");
+  fr::Recorder::get().beginBlock(frPg_);
   coalescing_ = true;
   coalescingDevice_.reset();
   coalesced_.clear();
@@ -295,7 +342,19 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::endCoalescing() {
   std::vector<DevicePending> deviceMembers;
   deviceMembers.swap(coalescedDevice_);
   t3d_request_t* req = nullptr;
-  check(c, t3d_group_end(comm(), &req), "t3d_group_end");
+  // The block's closing entry: no tensors of its own, the block's sequence number.
+  Plan none;
+  none.frIn = at::TensorList();
+  none.frOut = at::TensorList();
+  const uint64_t fid = frRecord(c10d::OpType::COALESCED, ctx("coalesced"), none, timeout_.count(),
+                                !deviceMembers.empty());
+  fr::Recorder::get().endBlock(frPg_);
+  try {
+    check(c, t3d_group_end(comm(), &req), "t3d_group_end");
+  } catch (const std::exception& e) {
+    frNotIssued(fid, e);
+    throw;
+  }
   if (!deviceMembers.empty()) {
     // NCCL has enqueued the block's operations: the members finish in order, then one event covers them all.
     std::vector<at::Tensor> outputs;
@@ -306,6 +365,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::endCoalescing() {
     }
     all.work = c10::make_intrusive<WorkT3DDevice>(comm_, rank_, c10d::OpType::COALESCED, "coalesced", groupName_,
                                                   ++seq_, timeout_.count(), std::move(outputs), streams_->device);
+    all.work->setRecord(fid);
     finishDevice(c, all);
     return all.work;
   }
@@ -313,6 +373,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::endCoalescing() {
   for (auto& m : members) outputs.insert(outputs.end(), m->outputs().begin(), m->outputs().end());
   auto work = c10::make_intrusive<WorkT3D>(comm_, rank_, c10d::OpType::COALESCED, "coalesced", groupName_, ++seq_,
                                            timeout_.count(), std::move(outputs));
+  work->setRecord(fid);
   work->setRequest(req);
   // The group request says the C operations are done; the members may still be copying results back.
   for (auto& m : members) work->dependOn(m);
@@ -645,6 +706,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::reduce_scatter(std::vector<at::T
   Rop r = rop(c, opts.reduceOp);
   Plan p;
   planReduceScatterList(c, outputTensors[0], inputTensors[0], r, p);
+  p.frIn = at::TensorList(inputTensors[0]);
   return run(c10d::OpType::REDUCE_SCATTER, c, std::move(p), opts.timeout, opts.asyncOp);
 }
 
@@ -680,6 +742,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::_reduce_scatter_base(at::Tensor&
   Rop r = rop(c, opts.reduceOp);
   Plan p;
   planReduceScatterBase(c, "outputBuffer", outputBuffer, "inputBuffer", inputBuffer, r, p);
+  p.frIn = at::TensorList(inputBuffer);
   return run(c10d::OpType::_REDUCE_SCATTER_BASE, c, std::move(p), opts.timeout, opts.asyncOp);
 }
 
@@ -693,6 +756,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::reduce_scatter_tensor_coalesced(
     std::string oa = c10::str("outputs[", i, "]"), ia = c10::str("inputs[", i, "]");
     planReduceScatterBase(c, oa.c_str(), outputs[i], ia.c_str(), inputs[i], r, p);
   }
+  p.frIn = at::TensorList(inputs);
   return run(c10d::OpType::COALESCED, c, std::move(p), opts.timeout);
 }
 
@@ -824,6 +888,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::allgather(std::vector<std::vecto
   Plan p;
   if (inputTensors.size() == 1) {
     planAllgatherList(c, "outputTensors[0]", outputTensors[0], "inputTensors[0]", inputTensors[0], opts.timeout, p);
+    p.frIn = at::TensorList(inputTensors);
     return run(c10d::OpType::ALLGATHER, c, std::move(p), opts.timeout, opts.asyncOp);
   }
   // Several tensors per rank (as gloo serves them): every output list receives all ranks' inputs, rank-major:
@@ -864,6 +929,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::allgather(std::vector<std::vecto
     }
   });
   for (const auto& list : outputTensors) p.outputs.insert(p.outputs.end(), list.begin(), list.end());
+  p.frIn = at::TensorList(inputTensors);
   return run(c10d::OpType::ALLGATHER, c, std::move(p), opts.timeout, opts.asyncOp);
 }
 
@@ -930,6 +996,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::allgather_coalesced(
     }
   });
   for (const auto& list : outputTensorLists) p.outputs.insert(p.outputs.end(), list.begin(), list.end());
+  p.frIn = at::TensorList(inputTensors);
   return run(c10d::OpType::ALLGATHER_COALESCED, c, std::move(p), opts.timeout);
 }
 
@@ -962,6 +1029,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::_allgather_base(at::Tensor& outp
   OpCtx c = ctx("_allgather_base");
   Plan p;
   planAllgatherBase(c, "outputBuffer", outputBuffer, "inputBuffer", inputBuffer, p);
+  p.frIn = at::TensorList(inputBuffer);
   return run(c10d::OpType::_ALLGATHER_BASE, c, std::move(p), opts.timeout, opts.asyncOp);
 }
 
@@ -975,6 +1043,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::allgather_into_tensor_coalesced(
     std::string oa = c10::str("outputs[", i, "]"), ia = c10::str("inputs[", i, "]");
     planAllgatherBase(c, oa.c_str(), outputs[i], ia.c_str(), inputs[i], p);
   }
+  p.frIn = at::TensorList(inputs);
   return run(c10d::OpType::COALESCED, c, std::move(p), opts.timeout);
 }
 
@@ -1027,6 +1096,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::gather(std::vector<std::vector<a
     });
   }
   p.outputs = outs;
+  p.frIn = at::TensorList(inputTensors);
   return run(c10d::OpType::GATHER, c, std::move(p), opts.timeout);
 }
 
@@ -1074,6 +1144,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::scatter(std::vector<at::Tensor>&
   p.keep.push_back(so.buf);
   if (so.staged) p.post.push_back([so](t3d_request_t*) { so.copyBack(); });
   p.outputs.push_back(out);
+  p.frIn = inputTensors.empty() ? at::TensorList() : at::TensorList(inputTensors[0]);
   return run(c10d::OpType::SCATTER, c, std::move(p), opts.timeout);
 }
 
@@ -1142,6 +1213,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::alltoall_base(at::Tensor& output
   p.keep.push_back(so.buf);
   if (so.staged) p.post.push_back([so](t3d_request_t*) { so.copyBack(); });
   p.outputs.push_back(out);
+  p.frIn = at::TensorList(inputBuffer);
   return run(c10d::OpType::ALLTOALL_BASE, c, std::move(p), opts.timeout, opts.asyncOp);
 }
 
@@ -1194,6 +1266,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::alltoall(std::vector<at::Tensor>
     }
   });
   p.outputs = outs;
+  p.frIn = at::TensorList(inputTensors);
   return run(c10d::OpType::ALLTOALL, c, std::move(p), opts.timeout, opts.asyncOp);
 }
 
@@ -1217,6 +1290,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::send(std::vector<at::Tensor>& te
     return t3d_send(cm, sb, n, ct.dtype, dstRank, tag, &o, req);
   });
   p.keep.push_back(src);
+  p.frIn = at::TensorList(tensors);
+  p.frOut = at::TensorList(tensors);
+  p.frPeer = dstRank;
   return run(c10d::OpType::SEND, c, std::move(p), c10d::kUnsetTimeout);
 }
 
@@ -1256,6 +1332,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupT3D::recv(std::vector<at::Tensor>& te
     s.copyBack();
   });
   p.outputs.push_back(t);
+  p.frPeer = srcRank == T3D_ANY_SOURCE ? -2 : srcRank;
   return run(srcRank == T3D_ANY_SOURCE ? c10d::OpType::RECVANYSOURCE : c10d::OpType::RECV, c, std::move(p),
              c10d::kUnsetTimeout);
 }

@@ -120,6 +120,11 @@ class ProcessGroupT3D : public c10d::Backend {
     std::vector<at::Tensor> outputs;
     double premul = 1.0;  // PREMUL_SUM's factor
     unsigned flags = 0;   // T3D_FLAG_*
+    // What the flight recorder notes: the call's input and output tensors (unset: `outputs` for both), and the
+    // peer of a send or receive (-2: any source).
+    c10::optional<at::TensorList> frIn;
+    c10::optional<at::TensorList> frOut;
+    int frPeer = -1;
   };
   struct Rop {
     t3d_redop_t op;
@@ -188,6 +193,10 @@ class ProcessGroupT3D : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> runDevice(c10d::OpType type, const OpCtx& c, Plan&& p, t3d_opts_t o);
   // Waits for the request of NCCL's enqueueing (throwing its error), then runs what follows on the group's stream.
   void finishDevice(const OpCtx& c, DevicePending& pending);
+  // The call's entry in the flight recorder (before the plan's outputs move into the work), and what becomes of it
+  // when issuing throws: failed, and a dump when the group is broken.
+  uint64_t frRecord(c10d::OpType type, const OpCtx& c, const Plan& p, int64_t timeoutMs, bool device);
+  void frNotIssued(uint64_t id, const std::exception& e);
 
   std::shared_ptr<StoreAdapter> store_;
   std::shared_ptr<CommHandle> comm_;
@@ -209,6 +218,8 @@ class ProcessGroupT3D : public c10d::Backend {
   std::vector<DevicePending> coalescedDevice_;
   c10::optional<c10::Device> coalescingDevice_;  // the device type of the first operation in the block
   std::unique_ptr<DeviceStreams> streams_;
+  size_t frPg_ = 0;        // this group in the flight recorder
+  bool frDesc_ = false;    // its description (set by torch after creation) passed on
 };
 
 }  // namespace t3d_shim

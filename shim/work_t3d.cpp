@@ -134,6 +134,7 @@ void WorkT3D::onRequestDone(void* arg, t3d_result_t res) {
 
 void WorkT3D::requestDone(t3d_result_t res) {
   std::exception_ptr err;
+  std::string text;
   if (res == T3D_OK) {
     if (opType_ == c10d::OpType::RECV || opType_ == c10d::OpType::RECVANYSOURCE) {
       std::lock_guard<std::mutex> lk(mutex_);
@@ -142,13 +143,24 @@ void WorkT3D::requestDone(t3d_result_t res) {
     if (post_) {
       try {
         post_(req_);
+      } catch (const c10::Error& e) {
+        err = std::current_exception();
+        text = e.what_without_backtrace();
+      } catch (const std::exception& e) {
+        err = std::current_exception();
+        text = e.what();
       } catch (...) {
         err = std::current_exception();
       }
     }
   } else {
-    err = makeError(res, t3d_request_error(req_));
+    text = errorText(res, t3d_request_error(req_));
+    err = makeError(text);
   }
+  // Before the work completes: whoever sees the error finds the dump written.
+  fr::Recorder& rec = fr::Recorder::get();
+  rec.retire(frId_, err == nullptr, text);
+  if (breaksGroup(res)) rec.dumpOnFailure(text);
   dependencyDone(err);
 }
 
@@ -205,9 +217,13 @@ void WorkT3D::markFuture() {
   }
 }
 
-std::exception_ptr WorkT3D::makeError(t3d_result_t res, const char* detail) const {
+std::string WorkT3D::errorText(t3d_result_t res, const char* detail) const {
   std::string msg = c10::str("t3d: ", describe(), " failed: ", t3d_result_string(res));
   if (detail != nullptr && detail[0] != '\0') msg += c10::str(": ", detail);
+  return msg;
+}
+
+std::exception_ptr WorkT3D::makeError(const std::string& msg) const {
   try {
     C10_THROW_ERROR(DistBackendError, msg);
   } catch (...) {
@@ -250,8 +266,10 @@ bool WorkT3D::wait(std::chrono::milliseconds timeout) {
   bool done = cv_.wait_until(lk, start + std::chrono::milliseconds(ms), [this] { return completed_; });
   if (!done) {
     lk.unlock();
-    C10_THROW_ERROR(DistBackendError, c10::str("t3d: wait timed out after ", ms, " ms: ", describe(),
-                                               " has not completed (it keeps running; abort the group to stop it)"));
+    std::string msg = c10::str("t3d: wait timed out after ", ms, " ms: ", describe(),
+                               " has not completed (it keeps running; abort the group to stop it)");
+    fr::Recorder::get().dumpOnFailure(msg);
+    C10_THROW_ERROR(DistBackendError, msg);
   }
   if (exception_) std::rethrow_exception(exception_);
   return true;
@@ -361,8 +379,10 @@ bool WorkT3DDevice::wait(std::chrono::milliseconds timeout) {
         // A device that never finishes is a lost peer or a desynchronised group: end the group as NCCL's watchdog
         // does, so that nothing queued after this waits for it too.
         comm_->abort();
-        C10_THROW_ERROR(DistBackendError, c10::str("t3d: ", describe(), " did not complete on the device within ",
-                                                   ms, " ms; the group was aborted"));
+        std::string msg =
+            c10::str("t3d: ", describe(), " did not complete on the device within ", ms, " ms; the group was aborted");
+        fr::Recorder::get().dumpOnFailure(msg);
+        C10_THROW_ERROR(DistBackendError, msg);
       }
       if (t3d_backoff_poll(&since)) std::this_thread::sleep_for(std::chrono::microseconds(100));
     }

@@ -19,6 +19,8 @@ extern "C" {
 #include "t3d.h"
 }
 
+#include "flight_recorder.hpp"
+
 namespace t3d_shim {
 
 // The communicator shared by a backend and its works. destroy() runs on the user's thread and does not hold the lock
@@ -56,6 +58,13 @@ class WorkT3DBase : public c10d::Work {
   uint64_t getSequencenumber() const override {
     return seq_;
   }
+  // The work's entry in the flight recorder (fr::kNoRecord: none).
+  void setRecord(uint64_t id) {
+    frId_ = id;
+  }
+  uint64_t record() const {
+    return frId_;
+  }
 
  protected:
   WorkT3DBase(std::shared_ptr<CommHandle> comm, int rank, c10d::OpType type, const char* opName, std::string group,
@@ -69,7 +78,14 @@ class WorkT3DBase : public c10d::Work {
   int64_t timeoutMs_;
   std::vector<at::Tensor> outputs_;
   c10::optional<c10::Device> device_;
+  uint64_t frId_ = fr::kNoRecord;
 };
+
+// Whether an operation's error is one that breaks its group (a timeout, a lost peer, an abort, ranks that disagree):
+// the flight recorder dumps on those, not on a bad argument.
+inline bool breaksGroup(t3d_result_t r) {
+  return r < 0 && r != T3D_ERR_INVALID_ARG && r != T3D_ERR_UNSUPPORTED && r != T3D_ERR_NO_MEMORY;
+}
 
 class WorkT3D : public WorkT3DBase {
  public:
@@ -113,7 +129,8 @@ class WorkT3D : public WorkT3DBase {
   void dependencyDone(std::exception_ptr err);
   void complete(std::exception_ptr err);
   void markFuture();
-  std::exception_ptr makeError(t3d_result_t res, const char* detail) const;
+  std::string errorText(t3d_result_t res, const char* detail) const;
+  std::exception_ptr makeError(const std::string& msg) const;
 
   t3d_request_t* req_ = nullptr;
   std::vector<at::Tensor> keep_;

@@ -161,6 +161,27 @@ def backend_registered(name: str) -> bool:
     return name.upper() in plugins
 
 
+# torch's flight recorder analyser (torchfrtrace), newest location first. torch 2.15 ships it in the wheel; torch
+# 2.9.1's wheel declares the torchfrtrace script but not the module it names (tools.flight_recorder), so there is
+# none to run.
+FR_ANALYSER_MODULES = ("torch.distributed.flight_recorder.fr_trace", "tools.flight_recorder.fr_trace")
+
+
+def flight_recorder_analyser() -> str:
+    """The importable module of the installed torch's flight recorder analyser (run it with `python -m`), or
+    CompatError naming torch and what was tried."""
+    import importlib.util
+
+    for name in FR_ANALYSER_MODULES:
+        try:
+            if importlib.util.find_spec(name) is not None:
+                return name
+        except ImportError:  # a parent package is missing
+            continue
+    raise CompatError(f"t3d: torch {torch_version()} ships no flight recorder analyser (looked for "
+                      f"{', '.join(FR_ANALYSER_MODULES)}); read the dumps with a newer torch's torchfrtrace")
+
+
 class _GroupRankSrc:
     """torch.distributed as FSDP1's _optim_utils sees it after fix_fsdp1_optim_state_dict(): broadcast and
     broadcast_object_list take `src` as a rank of `group` (what _optim_utils means: it tests
