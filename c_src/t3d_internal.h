@@ -122,12 +122,19 @@ typedef struct t3d_exec {
   const char *opname; /* "allreduce", ... */
   int kind;           /* its t3d_op_kind_t */
   uint64_t seq;       /* collective sequence number on this communicator */
+  uint32_t fp;        /* what ranks must also agree on (t3d__exec_fingerprint): dtype, reduce op, root */
   uint64_t deadline_ns;
   uint64_t start_ns; /* t3d__now_ns when it started on this rank (an inline start: when the call began) */
   int64_t timeout_ms;
   char error[1024];    /* text of the first failure, for the request and the communicator */
 } t3d_exec_t;
 
+
+/* A collective's fingerprint (t3d_exec_t.fp, core/run.c), 28 bits: dtype + 1 (bits 0-4; 0 for a barrier), reduce
+ * op + 1 (bits 5-8; reductions only), root + 1 (bits 9-25; rooted collectives only). t3d__fingerprint_text writes
+ * e.g. "float32, sum, root 0". */
+#define T3D_FP_BITS 28
+void t3d__fingerprint_text(uint32_t fp, char *buf, size_t len);
 
 /* Waiting on something other than transfers (shared-memory flags): backoff between polls, and a check that fails
  * the operation on abort or deadline, writing ex->error with `waiting_for` (e.g. "rank(s) 2, 3"). */

@@ -5,6 +5,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <string.h>
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -470,5 +471,20 @@ void t3d__divide(void *buf, size_t n, t3d_dtype_t dt, int64_t d) {
     }
     default:
       return;
+  }
+}
+
+/* ---------- fingerprints (t3d_internal.h) ---------- */
+
+void t3d__fingerprint_text(uint32_t fp, char *buf, size_t len) {
+  size_t n = 0;
+  buf[0] = '\0';
+  if ((fp & 0x1fu) != 0) n += (size_t)snprintf(buf, len, "%s", t3d_dtype_name((t3d_dtype_t)((fp & 0x1fu) - 1)));
+  if (((fp >> 5) & 0xfu) != 0 && n < len) {
+    const char *op = t3d_redop_name((t3d_redop_t)(((fp >> 5) & 0xfu) - 1));
+    n += (size_t)snprintf(buf + n, len - n, "%s%s", n ? ", " : "", op);
+  }
+  if (((fp >> 9) & 0x1ffffu) != 0 && n < len) {
+    snprintf(buf + n, len - n, "%sroot %u", n ? ", " : "", ((fp >> 9) & 0x1ffffu) - 1);
   }
 }

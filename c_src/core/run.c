@@ -116,6 +116,20 @@ void t3d__release_engine(t3d_comm_t *comm) {
   pthread_mutex_unlock(&comm->mu);
 }
 
+/* What ranks must agree on besides the operation and its size (t3d_internal.h, T3D_FP_BITS). */
+static uint32_t fingerprint(t3d_op_kind_t kind, t3d_dtype_t dtype, t3d_redop_t op, int root) {
+  if (kind == T3D_OP_BARRIER) return 0;
+  uint32_t fp = ((uint32_t)dtype + 1u) & 0x1fu;
+  if (kind == T3D_OP_ALLREDUCE || kind == T3D_OP_REDUCE || kind == T3D_OP_REDUCE_SCATTERV) {
+    fp |= (((uint32_t)op + 1u) & 0xfu) << 5;
+  }
+  if (kind == T3D_OP_BROADCAST || kind == T3D_OP_REDUCE || kind == T3D_OP_GATHER ||
+      kind == T3D_OP_SCATTER) {
+    fp |= (((uint32_t)root + 1u) & 0x1ffffu) << 9;
+  }
+  return fp;
+}
+
 void t3d__exec_init(t3d_comm_t *comm, t3d_request_t *r, t3d_exec_t *ex) {
   ex->error[0] = '\0'; /* not the whole 512 bytes: this runs for every collective */
   ex->comm = comm;
@@ -124,6 +138,7 @@ void t3d__exec_init(t3d_comm_t *comm, t3d_request_t *r, t3d_exec_t *ex) {
   ex->opname = t3d__op_name(r->kind);
   ex->kind = (int)r->kind;
   ex->seq = r->seq;
+  ex->fp = fingerprint(r->kind, r->dtype, r->op, r->root);
   ex->timeout_ms = r->timeout_ms;
   ex->start_ns = t3d__now_ns();
   ex->deadline_ns = r->resume ? r->deadline_ns : ex->start_ns + (uint64_t)r->timeout_ms * 1000000ull;

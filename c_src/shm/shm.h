@@ -115,12 +115,19 @@ struct t3d_shm {
   char name[64];
   int wake_pending; /* a t3d__shm_post_lazy has not checked for sleepers yet (t3d__shm_settle) */
   uint64_t op_seq;      /* the collective this rank runs now (t3d__exec_shm), for its info lines */
+  uint32_t op_fp;       /* and its fingerprint (t3d_exec_t.fp) */
   uint64_t liveness_ns; /* how often a wait checks that the ranks it waits for still have a process (0: never) */
   uint64_t alive_checked; /* when it last did */
 };
 
-/* What an info line's kind word holds for this rank's current collective. */
-static inline uint64_t t3d__shm_info_kind(const t3d_shm_t *s, int kind) { return s->op_seq << 8 | (uint64_t)kind; }
+/* What an info line's kind word holds for this rank's current collective: its sequence number (low 28 bits) << 36
+ * | its fingerprint (dtype, reduce op, root: T3D_FP_BITS) << 8 | its T3D_OP_*. One compare checks all of them. */
+static inline uint64_t t3d__shm_info_kind(const t3d_shm_t *s, int kind) {
+  return (s->op_seq & 0xfffffffull) << 36 | (uint64_t)s->op_fp << 8 | (uint64_t)kind;
+}
+static inline uint64_t t3d__shm_kind_seq(uint64_t w) { return w >> 36; }
+static inline uint32_t t3d__shm_kind_fp(uint64_t w) { return (uint32_t)(w >> 8) & ((1u << T3D_FP_BITS) - 1); }
+static inline int t3d__shm_kind_op(uint64_t w) { return (int)(w & 0xff); }
 
 /* ---------- the provider's operations (provider.c puts them in its table) ----------
  * The collectives have the t3d_coll_ops_t signatures and contracts (c_src/provider.h). */
@@ -220,7 +227,7 @@ static inline void t3d__shm_note_cpu(t3d_shm_t *s) {
   uint32_t v = (uint32_t)sched_getcpu() + 1u;
   if (atomic_load_explicit(c, memory_order_relaxed) != v) atomic_store_explicit(c, v, memory_order_relaxed);
 }
-/* Rank p's current collective: its sequence number << 8 | its kind (t3d__exec_shm writes it, t3d__shm_check_info
+/* Rank p's current collective: a kind word (t3d__shm_info_kind; t3d__exec_shm writes it, t3d__shm_check_info
  * quotes it). */
 static inline _Atomic uint64_t *t3d__shm_opline(const t3d_shm_t *s, int p) {
   return (_Atomic uint64_t *)(void *)(s->ctrl + (size_t)p * T3D_SHM_CTRL_STRIDE + T3D_SHM_INFO_OFFSET +
@@ -332,6 +339,7 @@ static inline t3d_shm_t *t3d__exec_shm(t3d_exec_t *ex) {
   t3d_shm_t *s = ex->comm->shm;
   if (s->op_seq != ex->seq) {
     s->op_seq = ex->seq;
+    s->op_fp = ex->fp;
     atomic_store_explicit(t3d__shm_opline(s, s->rank), t3d__shm_info_kind(s, ex->kind), memory_order_relaxed);
   }
   return s;

@@ -267,18 +267,24 @@ t3d_result_t t3d__shm_check_info(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_ste
   int n = snprintf(ex->error, sizeof ex->error, "t3d: %s #%llu on group '%s' (rank %d of %d): ", ex->opname,
                    (unsigned long long)ex->seq, ex->comm->name, ex->rank, ex->size);
   size_t used = n > 0 && (size_t)n < sizeof ex->error ? (size_t)n : sizeof ex->error - 1;
-  if (in->kind >> 8 == ex->seq) {
-    /* The same collective, another kind or size. */
-    snprintf(ex->error + used, sizeof ex->error - used, "rank %d runs %s of %llu bytes where this rank runs %s of %llu "
-             "bytes (ranks disagree on the operation or its size)", peer, t3d__op_name((t3d_op_kind_t)(in->kind & 0xff)),
-             (unsigned long long)in->sig, ex->opname, (unsigned long long)sig);
+  if (t3d__shm_kind_seq(in->kind) == (ex->seq & 0xfffffffull)) {
+    /* The same collective, another kind, size, dtype, reduce op or root. */
+    char theirs[96], ours[96];
+    t3d__fingerprint_text(t3d__shm_kind_fp(in->kind), theirs, sizeof theirs);
+    t3d__fingerprint_text(s->op_fp, ours, sizeof ours);
+    const char *what = t3d__shm_kind_op(in->kind) != kind ? "the operation"
+                       : in->sig != sig                  ? "its size"
+                                                         : "its dtype, reduce op or root";
+    snprintf(ex->error + used, sizeof ex->error - used, "rank %d runs %s of %llu bytes (%s) where this rank runs %s of "
+             "%llu bytes (%s) (ranks disagree on %s)", peer, t3d__op_name((t3d_op_kind_t)t3d__shm_kind_op(in->kind)),
+             (unsigned long long)in->sig, theirs, ex->opname, (unsigned long long)sig, ours, what);
   } else {
     /* The peer posted this step's phase without writing this line: it runs a collective that uses another part of
      * the segment; its current one says which. */
     uint64_t w = atomic_load_explicit(t3d__shm_opline(s, peer), memory_order_relaxed);
     snprintf(ex->error + used, sizeof ex->error - used, "rank %d runs %s #%llu where this rank runs %s of %llu bytes "
-             "(ranks disagree on the operation)", peer, t3d__op_name((t3d_op_kind_t)(w & 0xff)),
-             (unsigned long long)(w >> 8), ex->opname, (unsigned long long)sig);
+             "(ranks disagree on the operation)", peer, t3d__op_name((t3d_op_kind_t)t3d__shm_kind_op(w)),
+             (unsigned long long)t3d__shm_kind_seq(w), ex->opname, (unsigned long long)sig);
   }
   return T3D_ERR_MISMATCH;
 }

@@ -38,8 +38,9 @@ TEST(Failure, DesynchronisedCollectivesFailOnEveryRank) {
     EXPECT_LT(SecondsSince(t0), 10.0) << "rank " << rank;
     const std::string own = rank == 0 ? "allreduce" : "broadcast";
     const std::string finding =
-        "(rank 0 runs allreduce( #1| of 64 bytes) where this rank runs broadcast of 64 bytes|rank 1 runs broadcast"
-        "( #1| of 64 bytes) where this rank runs allreduce of 64 bytes) \\(ranks disagree on the operation";
+        "(rank 0 runs allreduce( #1| of 64 bytes \\(float32, sum\\)) where this rank runs broadcast of 64 bytes"
+        "( \\(float32, root 0\\))?|rank 1 runs broadcast( #1| of 64 bytes \\(float32, root 0\\)) where this rank "
+        "runs allreduce of 64 bytes( \\(float32, sum\\))?) \\(ranks disagree on the operation";
     // Either this rank found the mismatch, or the other one did and this rank quotes it.
     const std::regex found("^t3d: " + own + " #1 on group 'desync' \\(rank " + std::to_string(rank) + " of 2\\): " +
                            finding);

@@ -96,8 +96,9 @@ def test_desynchronised_collectives_raise_on_every_rank():
     # What each side called, as the rank that found the mismatch words it: "rank P runs X #2 (or X of N bytes) where
     # this rank runs Y of N bytes"; the other rank's error quotes it.
     mismatch = re.compile(r"t3d: (allreduce|broadcast) #2 on group '0' \(rank (\d) of 2\): rank (\d) runs "
-                          r"(allreduce|broadcast)(?: #2| of 64 bytes) where this rank runs (allreduce|broadcast) of 64 "
-                          r"bytes \(ranks disagree on the operation")
+                          r"(allreduce|broadcast)(?: #2| of 64 bytes \(float32, (?:sum|root 0)\)) where this rank runs "
+                          r"(allreduce|broadcast) of 64 bytes(?: \(float32, (?:sum|root 0)\))? \(ranks disagree on the "
+                          r"operation")
     for rank, (what, dt, msg) in got.items():
         assert what == "raised", f"rank {rank}: {what}"
         assert dt < 10, f"rank {rank} took {dt:.1f} s to fail (the group timeout is {TIMEOUT_S} s)"
