@@ -60,8 +60,16 @@ t3d_result_t t3d__store_get(t3d_comm_t *comm, const char *key, void **value, siz
   T3D_TRACE("store get '%s' rank %d", full, comm->rank);
   t3d_result_t res = comm->store.get(comm->store.ctx, full, value, len, comm->timeout_ms);
   if (res != T3D_OK) {
-    return t3d__set_error(comm, res, "t3d: store get of '%s' failed on rank %d of group '%s' after %lld ms: %s",
-                          full, comm->rank, comm->name, (long long)comm->timeout_ms, t3d_result_string(res));
+    /* Set-up keys end in the rank that publishes them ("ucx/2"): a timeout then means that rank never got here. */
+    const char *tail = strrchr(key, '/');
+    char who[160] = "";
+    if (res == T3D_ERR_TIMEOUT && tail != NULL && tail[1] >= '0' && tail[1] <= '9' &&
+        strspn(tail + 1, "0123456789") == strlen(tail + 1)) {
+      snprintf(who, sizeof who, " (rank %s never published it: it has not reached the creation of this group, or "
+               "has died)", tail + 1);
+    }
+    return t3d__set_error(comm, res, "t3d: store get of '%s' failed on rank %d of group '%s' after %lld ms: %s%s",
+                          full, comm->rank, comm->name, (long long)comm->timeout_ms, t3d_result_string(res), who);
   }
   return T3D_OK;
 }

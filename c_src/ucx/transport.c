@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/statvfs.h>
 #include <ucp/api/ucp.h>
 
 /* A receive that may be shorter than its message: matched by probing, so that the message's length is known and a
@@ -111,7 +112,18 @@ static t3d_result_t ucx_init(t3d_comm_t *comm, void **state) {
   memset(&wparams, 0, sizeof wparams);
   wparams.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
   wparams.thread_mode = UCS_THREAD_MODE_SINGLE;
-  UCX_CHECK_GOTO(ucp_worker_create(st->context, &wparams, &st->worker), res, fail);
+  s = ucp_worker_create(st->context, &wparams, &st->worker);
+  if (s == UCS_ERR_NO_RESOURCE || s == UCS_ERR_NO_MEMORY) {
+    /* Most often UCX's shared-memory transports finding /dev/shm full; UCX says so only in its own log. */
+    struct statvfs v;
+    unsigned long long free_kb = statvfs("/dev/shm", &v) == 0 ? (unsigned long long)v.f_bavail * v.f_frsize / 1024 : 0;
+    res = t3d__set_error(comm, T3D_ERR_TRANSPORT, "t3d: UCX call ucp_worker_create failed: %s (rank %d, group '%s'); "
+                         "UCX's shared-memory transports need room in /dev/shm (%llu KiB free here): free some "
+                         "(df -h /dev/shm), or keep UCX off it with UCX_TLS=^posix,sysv,cma (or UCX_TLS=tcp)",
+                         ucs_status_string(s), comm->rank, comm->name, free_kb);
+    goto fail;
+  }
+  UCX_CHECK_GOTO(s /* ucp_worker_create */, res, fail);
   UCX_CHECK_GOTO(ucp_worker_get_address(st->worker, &addr, &addr_len), res, fail);
 
   char key[64];
