@@ -29,6 +29,7 @@ t3d_result_t t3d__shm_broadcast(t3d_exec_t *ex, void *buf, size_t bytes, int roo
       T3D_CHECK(t3d__shm_step_acquire(s, ex, &st));
       if (lo == 0) t3d__shm_put_info(s, &st, T3D_OP_BROADCAST, bytes, 0);
       memcpy(t3d__shm_half(s, root, st.h), b + lo, len);
+      if (lo == 0) T3D_CHECK(t3d__shm_check_peers_op(s, ex, bytes));
     } else {
       T3D_CHECK(t3d__shm_wait(s, ex, root, st.base + 1));
       if (lo == 0) T3D_CHECK(t3d__shm_check_info(s, ex, &st, root, T3D_OP_BROADCAST, bytes));
@@ -67,7 +68,7 @@ t3d_result_t t3d__shm_bcast_start(t3d_exec_t *ex, const void *buf, size_t bytes,
   t3d__shm_put_info(s, &st, T3D_OP_BROADCAST, bytes, 0);
   memcpy(t3d__shm_half(s, root, st.h), buf, bytes);
   t3d__shm_post(s, st.base + 2);
-  return T3D_OK;
+  return t3d__shm_check_peers_op(s, ex, bytes);
 }
 
 t3d_result_t t3d__shm_bcast_finish(t3d_exec_t *ex, const t3d_shm_resume_t *rs, void *buf, size_t bytes, int root) {

@@ -295,3 +295,25 @@ t3d_result_t t3d__shm_check_all_info(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm
     if (p != s->rank) T3D_CHECK(t3d__shm_check_info(s, ex, st, p, kind, sig));
   return T3D_OK;
 }
+
+t3d_result_t t3d__shm_check_peers_op(t3d_shm_t *s, t3d_exec_t *ex, size_t bytes) {
+  uint64_t mine = t3d__shm_info_kind(s, ex->kind);
+  for (int p = 0; p < s->size; p++) {
+    if (p == s->rank) continue;
+    const _Atomic uint64_t *line = t3d__shm_opline(s, p);
+    for (int i = 0; i < 2; i++) {
+      uint64_t w = atomic_load_explicit(line + i, memory_order_relaxed);
+      if (t3d__shm_kind_seq(w) != t3d__shm_kind_seq(mine) || w == mine) continue;
+      char theirs[96], ours[96];
+      t3d__fingerprint_text(t3d__shm_kind_fp(w), theirs, sizeof theirs);
+      t3d__fingerprint_text(s->op_fp, ours, sizeof ours);
+      snprintf(ex->error, sizeof ex->error, "t3d: %s #%llu on group '%s' (rank %d of %d): rank %d runs %s #%llu (%s) "
+               "where this rank runs %s of %zu bytes (%s) (ranks disagree on %s)", ex->opname,
+               (unsigned long long)ex->seq, ex->comm->name, ex->rank, ex->size, p,
+               t3d__op_name((t3d_op_kind_t)t3d__shm_kind_op(w)), (unsigned long long)ex->seq, theirs, ex->opname,
+               bytes, ours, t3d__shm_kind_op(w) != ex->kind ? "the operation" : "its dtype, reduce op or root");
+      return T3D_ERR_MISMATCH;
+    }
+  }
+  return T3D_OK;
+}

@@ -288,6 +288,10 @@ def _desync_rank(rank: int, init: str, case: str, q) -> None:
             dist.all_reduce(torch.ones(16), op=dist.ReduceOp.SUM if rank == 0 else dist.ReduceOp.MAX)
         elif case == "root":
             dist.broadcast(torch.full((16,), float(rank)), src=rank)
+            # Each rank took itself for the root: one that came first had nobody to compare with and returned (its
+            # own data, as its call asked); the second one finds the mismatch and reports it, so the first one's
+            # next call fails.
+            dist.barrier()
         _report(q, rank, "no error", time.monotonic() - t0, "")
     except Exception as exc:  # noqa: BLE001
         _report(q, rank, "raised", time.monotonic() - t0, str(exc))
@@ -309,15 +313,13 @@ DESYNC = {
                                                                          "float32, root 1")},
              "its dtype, reduce op or root"),
 }
-UNDETECTED = {
-    "root": "shm: broadcast with src=0 on rank 0 and src=1 on rank 1 returns at once on both, each keeping its own "
-            "data, no error: each rank takes itself for the root, and a root reads no other rank's line",
-}
+# Roots read no other rank's line: the one that comes second finds the other's call in its current-collective line
+# (t3d__shm_check_peers_op), which holds no size.
+BY_OPLINE = {"root"}
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("case", [pytest.param(c, marks=[pytest.mark.xfail(strict=True, reason=UNDETECTED[c])]
-                                               if c in UNDETECTED else []) for c in DESYNC])
+@pytest.mark.parametrize("case", list(DESYNC))
 def test_desync_raises_on_every_rank_saying_what_each_called(case):
     got = _dist.spawn_reports(_desync_rank, 2, (case,), want={0, 1}, seconds=40)
     assert set(got) == {0, 1}, f"a rank did not report (hung?): {got}"
@@ -331,11 +333,18 @@ def test_desync_raises_on_every_rank_saying_what_each_called(case):
         head = f"t3d: {shim} #2 on rank {r} of group '0' failed: T3D_ERR_MISMATCH: "
         ctx = f"t3d: {mine} #2 on group '0' (rank {r} of 2)"
         # Found here, or found by the peer and quoted (then in the peer's words).
-        found = (f"{ctx}: rank {p} runs {theirs} of {pbytes} bytes ({theirfp}) where this rank runs {mine} of "
-                 f"{nbytes} bytes ({myfp}) (ranks disagree on {differ})")
-        told = (f"{ctx} failed: rank {p} broke the group: t3d: {theirs} #2 on group '0' (rank {p} of 2): rank {r} runs "
-                f"{mine} of {nbytes} bytes ({myfp}) where this rank runs {theirs} of {pbytes} bytes ({theirfp}) (ranks "
-                f"disagree on {differ})")
+        def said(who, other, op, nb, fp, oop, onb, ofp):  # rank `who`'s words about rank `other`
+            peer_call = f"{oop} #2 ({ofp})" if case in BY_OPLINE else f"{oop} of {onb} bytes ({ofp})"
+            return (f"t3d: {op} #2 on group '0' (rank {who} of 2): rank {other} runs {peer_call} where this rank runs "
+                    f"{op} of {nb} bytes ({fp}) (ranks disagree on {differ})")
+        found = said(r, p, mine, nbytes, myfp, theirs, pbytes, theirfp)
+        told = f"{ctx} failed: rank {p} broke the group: " + said(p, r, theirs, pbytes, theirfp, mine, nbytes, myfp)
+        if case in BY_OPLINE:  # the first rank is told in its next call, the barrier
+            told = (f"t3d: barrier #3 on rank {r} of group '0' failed: T3D_ERR_MISMATCH: t3d: barrier #3 on group '0' "
+                    f"(rank {r} of 2) failed: rank {p} broke the group: "
+                    + said(p, r, theirs, pbytes, theirfp, mine, nbytes, myfp))
+            assert msg in (head + found, told), f"rank {r}: {msg!r}"
+            continue
         assert msg in (head + found, head + told), f"rank {r}: {msg!r}"
 
 

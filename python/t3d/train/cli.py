@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -19,7 +20,7 @@ or CUDA, with an embedded tiny Llama and generated data (nothing from a hub).
   t3d-train --dp 1 --tp 2 --cp 1         # any layout; world size = dp*tp*cp
   torchrun --nproc-per-node 4 -m t3d.train --dp 2 --tp 2 --cp 1
   t3d-train --resume --ckpt-dir DIR --dp 4 --tp 1 --cp 2 --steps 80   # continue under another layout
-  t3d-train --compare-backends           # t3d vs gloo on the layouts gloo can run
+  t3d-train --compare-backends           # t3d vs gloo, taking turns, on every layout
 """
 
 
@@ -63,9 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--metrics-json", default=None, help="write per-step metrics here [<ckpt-dir>/metrics.json]")
     g = p.add_argument_group("comparison")
     g.add_argument("--compare-backends", action="store_true",
-                   help="time t3d against gloo on TP-only layouts (gloo cannot run dp/cp > 1) and print a table")
+                   help="time t3d against gloo on each layout, taking turns, and print a table with the ratio")
     g.add_argument("--compare-layouts", default="1x2x1,1x4x1,2x2x2",
                    help="dp x tp x cp layouts for --compare-backends [1x2x1,1x4x1,2x2x2]")
+    g.add_argument("--compare-rounds", type=int, default=2,
+                   help="runs of each backend per layout for --compare-backends, alternating t3d, gloo, t3d, ... "
+                        "(the table shows medians) [2]")
     return p
 
 
@@ -131,11 +135,11 @@ def _parse_layout(text: str):
 
 
 def compare_backends(args, argv: list[str]) -> int:
-    """Run each layout on t3d and on gloo (where gloo can) and print a markdown table of step times."""
-    from .loop import gloo_refusal
-
+    """Run each layout on t3d and on gloo, taking turns (t3d, gloo, t3d, gloo, ... so that a slow minute of the
+    machine does not land on one backend only), and print a markdown table of median step times and their ratio."""
     base = [a for a in _strip_nproc(argv) if a != "--compare-backends"]
-    drop = {"--dp", "--tp", "--cp", "--backend", "--ckpt-dir", "--metrics-json", "--compare-layouts", "--resume"}
+    drop = {"--dp", "--tp", "--cp", "--backend", "--ckpt-dir", "--metrics-json", "--compare-layouts", "--resume",
+            "--compare-rounds"}
     cleaned, skip = [], False
     for a in base:
         if skip:
@@ -146,55 +150,67 @@ def compare_backends(args, argv: list[str]) -> int:
             skip = "=" not in a and key != "--resume"
             continue
         cleaned.append(a)
+    rounds = max(1, args.compare_rounds)
     work = tempfile.mkdtemp(prefix="t3d-compare-")
-    rows = []
+    runs: dict[tuple[str, str], list] = {}  # (layout, backend) -> [(summary, wall) or (None, why)]
+    layouts = [_parse_layout(text) for text in args.compare_layouts.split(",")]
     try:
-        for text in args.compare_layouts.split(","):
-            layout = _parse_layout(text)
-            for backend in ("t3d", "gloo"):
-                why = gloo_refusal(backend, layout)
-                if why:
-                    rows.append((str(layout), backend, None, "cannot run: gloo has no ReduceOp.AVG "
-                                 "(loss/grad all-reduce over dp_cp)"))
-                    continue
-                out = os.path.join(work, f"{layout}-{backend}")
-                run_argv = cleaned + ["--dp", str(layout.dp), "--tp", str(layout.tp), "--cp", str(layout.cp),
-                                      "--backend", backend, "--ckpt-dir", out, "--no-save", "--no-plot",
-                                      "--no-progress"]
-                t0 = time.perf_counter()
-                rc = subprocess.call(torchrun_command(layout.world, run_argv), env=_child_env(layout.world),
-                                     stdout=subprocess.DEVNULL)
-                wall = time.perf_counter() - t0
-                if rc != 0:
-                    rows.append((str(layout), backend, None, f"failed (exit {rc})"))
-                    continue
-                with open(os.path.join(out, "metrics.json")) as f:
-                    s = json.load(f)["summary"]
-                rows.append((str(layout), backend, s, f"{wall:.1f}"))
-                print(f"  {layout} {backend}: {s['step_time_mean_s'] * 1000:.1f} ms/step", file=sys.stderr)
+        for layout in layouts:
+            for r in range(rounds):
+                for backend in ("t3d", "gloo"):
+                    out = os.path.join(work, f"{layout}-{backend}-{r}")
+                    run_argv = cleaned + ["--dp", str(layout.dp), "--tp", str(layout.tp), "--cp", str(layout.cp),
+                                          "--backend", backend, "--ckpt-dir", out, "--no-save", "--no-plot",
+                                          "--no-progress"]
+                    t0 = time.perf_counter()
+                    rc = subprocess.call(torchrun_command(layout.world, run_argv), env=_child_env(layout.world),
+                                         stdout=subprocess.DEVNULL)
+                    wall = time.perf_counter() - t0
+                    if rc != 0:
+                        runs.setdefault((str(layout), backend), []).append((None, f"failed (exit {rc})"))
+                        continue
+                    with open(os.path.join(out, "metrics.json")) as f:
+                        s = json.load(f)["summary"]
+                    runs.setdefault((str(layout), backend), []).append((s, wall))
+                    print(f"  {layout} {backend} run {r + 1}/{rounds}: {s['step_time_mean_s'] * 1000:.1f} ms/step",
+                          file=sys.stderr)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print()
     print(f"t3d vs gloo: {args.steps} steps, global batch {args.global_batch} x seq {args.seq_len}, "
-          f"{os.cpu_count()} cores; mean step time without the first step")
+          f"{os.cpu_count()} cores; {rounds} alternating run(s) of each; median of the runs' mean step time "
+          f"(first step left out)")
     print()
-    print("| layout | ranks | backend | step time (ms) | tokens/s | loss first -> last | wall (s) |")
-    print("|---|---|---|---|---|---|---|")
-    for layout_s, backend, s, note in rows:
-        ranks = _parse_layout(layout_s.replace("dp", "").replace("tp", "").replace("cp", "")).world
-        if s is None:
-            print(f"| {layout_s} | {ranks} | {backend} | - | - | {note} | - |")
-        else:
-            print(f"| {layout_s} | {ranks} | {backend} | {s['step_time_mean_s'] * 1000:.1f} | "
-                  f"{s['tokens_per_s']:.0f} | {s['loss_first']:.4f} -> {s['loss_last']:.4f} | {note} |")
-    failed = [r for r in rows if r[2] is None and not r[3].startswith("cannot run")]
+    print("| layout | ranks | backend | step time (ms) | tokens/s | gloo / t3d | loss first -> last | wall (s) |")
+    print("|---|---|---|---|---|---|---|---|")
+    failed = False
+    for layout in layouts:
+        med = {}
+        for backend in ("t3d", "gloo"):
+            ok = [s for s, _ in runs.get((str(layout), backend), []) if s is not None]
+            if len(ok) == rounds:
+                med[backend] = statistics.median(s["step_time_mean_s"] for s in ok)
+        for backend in ("t3d", "gloo"):
+            got = runs.get((str(layout), backend), [])
+            bad = [why for s, why in got if s is None]
+            if bad or backend not in med:
+                failed = True
+                print(f"| {layout} | {layout.world} | {backend} | - | - | - | {bad[0] if bad else 'not run'} | - |")
+                continue
+            s = [s for s, _ in got][0]
+            step = med[backend]
+            tokens = args.global_batch * args.seq_len / step
+            ratio = f"{med['gloo'] / med['t3d']:.2f}" if backend == "gloo" and "t3d" in med else ""
+            wall = statistics.median(w for _, w in got)
+            print(f"| {layout} | {layout.world} | {backend} | {step * 1000:.1f} | {tokens:.0f} | {ratio} | "
+                  f"{s['loss_first']:.4f} -> {s['loss_last']:.4f} | {wall:.1f} |")
     return 1 if failed else 0
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    from .loop import Layout, gloo_refusal
+    from .loop import Layout
 
     layout = Layout(args.dp, args.tp, args.cp)
     if min(args.dp, args.tp, args.cp) < 1:
@@ -210,10 +226,6 @@ def main(argv: list[str] | None = None) -> int:
         nproc = args.nproc if args.nproc is not None else layout.world
         if nproc != layout.world:
             print(f"t3d-train: --nproc {nproc} but dp*tp*cp = {layout.world} ({layout})", file=sys.stderr)
-            return 2
-        why = gloo_refusal(args.backend, layout)
-        if why:  # say it once, before starting eight processes that would each fail on it
-            print(f"t3d-train: {why}", file=sys.stderr)
             return 2
         return launch(nproc, argv)
     if under_launcher:

@@ -36,21 +36,6 @@ class Layout:
         return f"dp{self.dp}xtp{self.tp}xcp{self.cp}"
 
 
-def gloo_refusal(backend: str, layout: Layout) -> str | None:
-    """Why backend gloo cannot run this layout, or None when it can.
-
-    Step 7 averages the logged loss over the flattened dp_cp mesh with ReduceOp.AVG, and step 6 averages plain
-    (non-DTensor) gradients over cp (or dp_cp) with AVG too; gloo implements no AVG and raises "Cannot use
-    ReduceOp.AVG with Gloo". With dp = cp = 1 neither all-reduce runs, so TP-only layouts work on gloo.
-    """
-    if backend != "gloo" or (layout.dp == 1 and layout.cp == 1):
-        return None
-    return (f"backend gloo cannot run layout {layout}: the workflow all-reduces the loss (and the plain gradients) "
-            f"over the dp_cp mesh with ReduceOp.AVG whenever dp > 1 or cp > 1, and gloo has no AVG "
-            f"(it raises 'Cannot use ReduceOp.AVG with Gloo'). Use --backend t3d, which implements AVG, or a "
-            f"layout with --dp 1 --cp 1 (TP only) to compare the two backends.")
-
-
 def pick_device(kind: str, local_rank: int) -> torch.device:
     if kind == "auto":
         kind = "cuda" if torch.cuda.is_available() else "cpu"
@@ -181,11 +166,6 @@ def run(args) -> int:
         if is_main:
             report.write(msg)
 
-    refusal = gloo_refusal(args.backend, layout)
-    if refusal:
-        if is_main:
-            print(f"t3d-train: {refusal}", file=sys.stderr, flush=True)
-        return 2
     if world != layout.world:
         if is_main:
             print(f"t3d-train: world size {world} != dp*tp*cp = {layout.world} ({layout})", file=sys.stderr)
@@ -214,14 +194,6 @@ def run(args) -> int:
     dist.init_process_group(args.backend, timeout=timedelta(seconds=args.timeout))
     try:
         return _train(args, layout, device, rank, log)
-    except RuntimeError as exc:
-        if "ReduceOp.AVG" not in str(exc):
-            raise
-        # Only reachable if a layout slips past gloo_refusal (a changed workflow): explain instead of a trace.
-        print(f"t3d-train: rank {rank}: backend {args.backend} failed on an AVG all-reduce: {exc}. "
-              f"The workflow averages loss and gradients over dp_cp with ReduceOp.AVG; use --backend t3d.",
-              file=sys.stderr, flush=True)
-        return 2
     finally:
         dist.destroy_process_group()
 
