@@ -60,8 +60,9 @@ t3d_result_t t3d__waitall(t3d_exec_t *ex, t3d_xfer_t *xs, int n) {
                "connection failed (the process died or its host is unreachable); still waiting for rank(s) %s",
                ex->opname, (unsigned long long)ex->seq, c->name, ex->rank, ex->size, lost_rank, ranks);
     } else if (watched) {
-      snprintf(ex->error, sizeof ex->error, "t3d: %s #%llu on group '%s' (rank %d of %d) %.700s; still waiting "
-               "for rank(s) %s", ex->opname, (unsigned long long)ex->seq, c->name, ex->rank, ex->size, c->watch_msg, ranks);
+      snprintf(ex->error, sizeof ex->error, "t3d: %s #%llu on group '%s' (rank %d of %d) %.600s; still waiting "
+               "for rank(s) %.200s", ex->opname, (unsigned long long)ex->seq, c->name, ex->rank, ex->size,
+               c->watch_msg, ranks);
     } else {
       snprintf(ex->error, sizeof ex->error,
                "t3d: %s #%llu on group '%s' (rank %d of %d) %s (timeout %lld ms); still waiting for rank(s) %s",

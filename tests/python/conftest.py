@@ -27,6 +27,13 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_sessionstart(session):
+    # Failure tests make the flight recorder dump (on by default, to /tmp/t3d_trace_rank_<rank>): into a folder of
+    # this session instead, unless the caller chose one (test_flight_recorder sets its own per test).
+    if "TORCH_FR_DUMP_TEMP_FILE" not in os.environ:
+        import tempfile
+
+        session.config._t3d_fr_dir = tempfile.TemporaryDirectory(prefix="t3d-test-fr-")
+        os.environ["TORCH_FR_DUMP_TEMP_FILE"] = os.path.join(session.config._t3d_fr_dir.name, "t3d_trace_rank_")
     if _dist.BACKEND == "t3d":
         # Fail early and once, in the parent, with the import error rather than in every child.
         try:
