@@ -4,6 +4,7 @@
 # resumed under another continues the uninterrupted curve. Gloo: refused layouts say why; TP-only runs and matches.
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -144,6 +145,19 @@ def test_compare_backends_table(model_cache):
     for t3d_row, gloo_row in ((rows[0], rows[1]), (rows[2], rows[3])):
         assert t3d_row[5] == "" and abs(float(gloo_row[5]) - float(gloo_row[3]) / float(t3d_row[3])) < 0.02, rows
         assert t3d_row[6] == gloo_row[6], rows  # the same losses on both backends
+
+
+@pytest.mark.timeout(600)
+def test_profile_says_where_the_step_goes(model_cache, tmp_path):
+    proc, _ = _run(model_cache, tmp_path, 1, 2, 1, extra=["--profile", "2"])
+    out = proc.stdout + proc.stderr
+    m = re.search(r"profile, rank 0, 2 step\(s\) after the first: ([\d.]+) ms per step = compute ([\d.]+) ms \(\d+%\), "
+                  r"communication ([\d.]+) ms \(\d+%\), DTensor/FSDP machinery ([\d.]+) ms \(\d+%\), Python and the "
+                  r"rest ([\d.]+) ms \(\d+%\)\n  largest self times per step: ", out)
+    assert m, out[-3000:]
+    total, *parts = (float(x) for x in m.groups())
+    assert abs(sum(parts) - total) <= 0.2 + 0.01 * total, m.group(0)  # the parts add up to the step
+    assert parts[1] > 0, "tp2 all-reduces activations: communication cannot be zero"
 
 
 def test_cli_rejects_bad_layout(tmp_path):

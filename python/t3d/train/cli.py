@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate [3e-3]")
     g.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping norm [1.0]")
     g.add_argument("--seed", type=int, default=0, help="data generation and shuffling seed [0]")
+    g.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="profile N steps after the first (torch.profiler, CPU) and print where rank 0's step time "
+                        "goes: compute (aten ops), communication (c10d ops and waits), Python and the rest [0: off]")
     g.add_argument("--model-seed", type=int, default=0, help="seed of the cached tiny model's initial weights [0]")
     g.add_argument("--num-sequences", type=int, default=1024, help="packed sequences in the generated dataset")
     g.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="model dtype [float32]")

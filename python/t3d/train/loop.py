@@ -36,6 +36,74 @@ class Layout:
         return f"dp{self.dp}xtp{self.tp}xcp{self.cp}"
 
 
+class StepProfile:
+    """torch.profiler over `count` steps from step index `first` on; report() says where their time went.
+
+    Self CPU time of every profiled op, summed by kind: communication (c10d ops, which for synchronous calls
+    include the collective itself, and the waits of asynchronous ones: c10d::wait, _c10d_functional wait_tensor;
+    with more ranks than cores, mostly waiting for the other ranks to be scheduled), the DTensor and FSDP machinery
+    (Python: dispatch of tensor subclasses, redistribution, FSDP's hooks), compute (every other op) and the rest of
+    the steps' wall time (the training loop's Python, the data loader, the profiler's own cost). Self times do not
+    overlap, so the four add up to the wall time."""
+
+    COMM = ("c10d", "wait_tensor", "record_param_comms", "t3d::", "all_reduce", "all_gather", "reduce_scatter",
+            "broadcast", "all_to_all")
+    FRAMEWORK = ("PythonSubclass", "FromTorchTensor", "ToTorchTensor", "Redistribute", "FullyShardedDataParallel",
+                 "FSDP", "DTensor")
+
+    def __init__(self, count: int, first: int):
+        self.first, self.last = first, first + count - 1
+        self.prof = None
+        self.wall = 0.0
+        self.steps = 0
+
+    def before(self, step: int) -> None:
+        if step == self.first and self.prof is None:
+            from torch.profiler import ProfilerActivity, profile
+
+            self.prof = profile(activities=[ProfilerActivity.CPU])
+            self.prof.__enter__()
+
+    def after(self, step: int, dt: float) -> None:
+        if self.prof is not None and self.first <= step <= self.last:
+            self.wall += dt
+            self.steps += 1
+            if step == self.last:
+                self.close()
+
+    def close(self) -> None:
+        if self.prof is not None and self.steps and not getattr(self, "closed", False):
+            self.prof.__exit__(None, None, None)
+            self.closed = True
+
+    def report(self) -> list[str]:
+        if not self.steps or self.prof is None:
+            return ["profile: no step was profiled (--steps too small?)"]
+        comm = frame = compute = 0.0
+        top = []
+        for e in self.prof.key_averages():
+            t = e.self_cpu_time_total / 1e6
+            if any(k in e.key for k in self.COMM):
+                comm += t
+            elif any(k in e.key for k in self.FRAMEWORK):
+                frame += t
+            else:
+                compute += t
+            top.append((t, e.key))
+        rest = max(0.0, self.wall - comm - frame - compute)
+        n, w = self.steps, self.wall
+
+        def part(name, t):
+            return f"{name} {t / n * 1000:.1f} ms ({t / w:.0%})"
+
+        lines = [f"profile, rank 0, {n} step(s) after the first: {w / n * 1000:.1f} ms per step = "
+                 + ", ".join([part("compute", compute), part("communication", comm),
+                              part("DTensor/FSDP machinery", frame), part("Python and the rest", rest)]),
+                 "  largest self times per step: " + ", ".join(
+                     f"{k} {t / n * 1000:.1f} ms" for t, k in sorted(top, reverse=True)[:8])]
+        return lines
+
+
 def pick_device(kind: str, local_rank: int) -> torch.device:
     if kind == "auto":
         kind = "cuda" if torch.cuda.is_available() else "cpu"
@@ -266,7 +334,10 @@ def _train(args, layout: Layout, device: torch.device, rank: int, log) -> int:
     records = []
     epoch, batches = None, None
     step = start_step
+    prof = StepProfile(args.profile, start_step + 1) if args.profile > 0 else None
     while step < args.steps:
+        if prof is not None:
+            prof.before(step)
         e, within = divmod(step, steps_per_epoch)
         if e != epoch:
             sampler.set_epoch(e)
@@ -303,6 +374,8 @@ def _train(args, layout: Layout, device: torch.device, rank: int, log) -> int:
             dist.all_reduce(loss_avg, op=dist.ReduceOp.AVG, group=dp_cp_mesh.get_group())
         loss_value = loss_avg.item()
         dt = time.perf_counter() - t0
+        if prof is not None:
+            prof.after(step, dt)
         step += 1
         rec = {"step": step, "loss": loss_value, "grad_norm": gnorm, "step_time": dt,
                "tokens_per_s": tokens_per_step / dt}
@@ -320,6 +393,11 @@ def _train(args, layout: Layout, device: torch.device, rank: int, log) -> int:
             meta = _meta(args, layout, step, history, records)
             ckpt_mod.save(args.ckpt_dir, step, model, optimizer, layouts, meta)
     bar.close()
+    if prof is not None:
+        prof.close()
+        if rank == 0:
+            for line in prof.report():
+                log(line)
 
     if not args.no_save and records:
         meta = _meta(args, layout, step, history, records)
