@@ -93,10 +93,11 @@ class NetnsHosts:
         """Host i's link goes down at the bridge: its packets stop, nothing is refused or reset."""
         _ip("link", "set", self.links[i], "down")
 
-    def run(self, fn, ranks_per_host: int, *, env=None, seconds=60.0, on_event=None, want=None):
+    def run(self, fn, ranks_per_host: int, *, env=None, seconds=60.0, on_event=None, want=None, private=()):
         """Runs fn in ranks_per_host ranks on every host (ranks numbered host by host) and collects their events
         until every rank in `want` (default: all) has sent a 'done' or 'raised' event, or `seconds` pass; then
-        every rank process is ended. Returns {rank: [event dicts]}."""
+        every rank process is ended. Each directory in `private` (it must exist) gets an empty tmpfs of its own on
+        every host: hosts that share no filesystem there. Returns {rank: [event dicts]}."""
         world = self.n * ranks_per_host
         want = set(range(world)) if want is None else set(want)
         port = 29500 + os.getpid() % 20000
@@ -107,7 +108,7 @@ class NetnsHosts:
             for h in range(self.n):
                 spec = {"host": f"host{h}", "ranks": list(range(h * ranks_per_host, (h + 1) * ranks_per_host)),
                         "world": world, "master": self.addr[0], "port": port, "fn": [fn.__module__, fn.__name__],
-                        "events": events_path, "env": dict(env or {})}
+                        "events": events_path, "env": dict(env or {}), "private": list(private)}
                 cmd = ["ip", "netns", "exec", self.ns[h], "unshare", "--uts", "--ipc", "--mount",
                        "--propagation", "private", sys.executable, os.path.abspath(__file__), json.dumps(spec)]
                 launchers.append(subprocess.Popen(cmd, start_new_session=True))
@@ -162,6 +163,8 @@ def _report_to(path: str, rank: int):
 def _host_main(spec: dict) -> None:
     socket.sethostname(spec["host"])
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256m", "t3dshm", "/dev/shm"], check=True)
+    for d in spec["private"]:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256m", "t3dprivate", d], check=True)
     env = dict(os.environ)
     env.update({"MASTER_ADDR": spec["master"], "MASTER_PORT": str(spec["port"]), "WORLD_SIZE": str(spec["world"]),
                 "UCX_TLS": "tcp", "OMP_NUM_THREADS": "1", "T3D_NETNS_SPEC": json.dumps(spec)})

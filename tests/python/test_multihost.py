@@ -232,3 +232,39 @@ def test_desync_across_hosts_under_torch_debug_detail_names_both_calls():
         msg = ends[0]["error"]
         assert "Detected mismatch between collectives on ranks" in msg, f"rank {rank}: {msg!r}"
         assert "ALLREDUCE" in msg and "BROADCAST" in msg, f"rank {rank}: {msg!r}"
+
+
+# ---------- the 3D workflow across hosts that share no filesystem ----------
+
+def _train(rank: int, world: int, report) -> None:
+    from t3d.train.cli import main
+
+    out = os.environ["T3D_TEST_OUT"]
+    rc = main(["--dp", "2", "--tp", "2", "--cp", "1", "--steps", "3", "--global-batch", "8", "--seq-len", "64",
+               "--no-progress", "--no-save", "--no-plot", "--ckpt-dir", os.path.join(out, f"rank{rank}"),
+               "--metrics-json", os.path.join(out, "metrics.json")])
+    cache = os.environ["T3D_MODEL_CACHE"]
+    report("done", rc=rc, cache=sorted(os.listdir(cache)))
+    _hard_exit()
+
+
+@pytest.mark.timeout(240)
+def test_train_across_hosts_without_a_shared_filesystem(tmp_path):
+    """Each host's first rank writes the tiny model into that host's own cache (a tmpfs per host), and dp2 x tp2
+    across the two hosts gives the loss curve of one process (its first loss, 5.5364, as tests/python/test_train.py
+    pins for every layout)."""
+    cache = tmp_path / "model-cache"
+    cache.mkdir()
+    with _netns.NetnsHosts(2) as hosts:
+        got = hosts.run(_train, 2, seconds=200, private=[str(cache)],
+                        env={"T3D_MODEL_CACHE": str(cache), "T3D_TEST_OUT": str(tmp_path)})
+    for rank in range(4):
+        ends = [e for e in got[rank] if e["what"] in ("done", "raised", "crashed")]
+        assert ends and ends[0]["what"] == "done" and ends[0]["rc"] == 0, f"rank {rank}: {got[rank]}"
+        assert any(name.startswith("tiny-llama-") for name in ends[0]["cache"]), f"rank {rank}: {ends[0]}"
+    assert os.listdir(cache) == [], "the hosts' caches were not private (the model landed in the shared folder)"
+    import json
+
+    with open(tmp_path / "metrics.json") as f:
+        losses = json.load(f)["losses"]
+    assert len(losses) == 3 and abs(losses[0] - 5.5364) < 1e-3 and losses[-1] < losses[0], losses

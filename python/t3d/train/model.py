@@ -50,13 +50,16 @@ def model_dir(init_seed: int, root: str | None = None) -> str:
 
 
 def ensure_model(init_seed: int, root: str | None = None) -> str:
-    """Create the tiny model on rank 0 (save_pretrained) if the cache lacks it; every rank returns its path.
+    """Create the tiny model on each host's first rank (LOCAL_RANK 0; save_pretrained) if that host's cache lacks
+    it; every rank returns its path.
 
-    The save goes to a temporary sibling that is renamed into place, so concurrent runs (tests) never read a half
-    written directory; the other ranks wait on a barrier.
+    Hosts need not share a filesystem: the model is a function of init_seed, so every host writes the same one.
+    Where they do share one, the save goes to a temporary sibling that is renamed into place, so concurrent writers
+    (other hosts, tests) never expose a half written directory; the other ranks wait on a barrier.
     """
     path = model_dir(init_seed, root)
-    if dist.get_rank() == 0 and not os.path.exists(os.path.join(path, "config.json")):
+    local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
+    if local_rank == 0 and not os.path.exists(os.path.join(path, "config.json")):
         from transformers import LlamaConfig, LlamaForCausalLM
 
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -66,7 +69,13 @@ def ensure_model(init_seed: int, root: str | None = None) -> str:
             torch.manual_seed(init_seed)
             model = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA))
             torch.random.set_rng_state(cpu_rng)
-            model.save_pretrained(tmp)
+            # Not model.save_pretrained: transformers 5 writes nothing there unless this is global rank 0 (its
+            # distributed checkpointing), and every host's first rank writes its own copy.
+            from safetensors.torch import save_model
+
+            model.config.architectures = [type(model).__name__]
+            model.config.save_pretrained(tmp)
+            save_model(model, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
             try:
                 os.rename(tmp, path)
             except OSError:  # another run won the race: its copy is identical
