@@ -106,6 +106,9 @@ typedef struct t3d_transport {
   int (*progress)(void *state);
   /* Gives up a pending transfer (abort or timeout); x->done is set before it returns. */
   void (*cancel)(void *state, t3d_xfer_t *x);
+  /* Whether a message that no receive has taken yet matches tag under mask; its tag goes to *found. Leaves it
+   * where it is. */
+  int (*peek)(void *state, uint64_t tag, uint64_t mask, uint64_t *found);
   /* Nonzero when the transport knows the peer is gone (its pending transfers will never complete). */
   int (*peer_lost)(void *state, int peer);
   /* Releases a completed transfer's transport resources. */

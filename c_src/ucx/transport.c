@@ -303,6 +303,14 @@ static int ucx_progress(void *state) {
   return n;
 }
 
+static int ucx_peek(void *state, uint64_t tag, uint64_t mask, uint64_t *found) {
+  ucx_state_t *st = state;
+  ucp_tag_recv_info_t info;
+  if (ucp_tag_probe_nb(st->worker, tag, mask, 0, &info) == NULL) return 0;
+  *found = info.sender_tag;
+  return 1;
+}
+
 static int ucx_peer_lost(void *state, int peer) {
   ucx_state_t *st = state;
   return peer >= 0 && atomic_load(&st->peer_lost[peer]);
@@ -387,6 +395,7 @@ const t3d_transport_t t3d__transport_ucx = {
     .irecv = ucx_irecv,
     .progress = ucx_progress,
     .cancel = ucx_cancel,
+    .peek = ucx_peek,
     .peer_lost = ucx_peer_lost,
     .release = ucx_release,
     .fini = ucx_fini,

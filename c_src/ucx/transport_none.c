@@ -34,6 +34,10 @@ static t3d_result_t none_irecv(void *state, int peer, uint64_t tag, uint64_t tag
 
 static int none_progress(void *state) { return 0; }
 static void none_cancel(void *state, t3d_xfer_t *x) {}
+static int none_peek(void *state, uint64_t tag, uint64_t mask, uint64_t *found) {
+  (void)state, (void)tag, (void)mask, (void)found;
+  return 0;
+}
 static int none_peer_lost(void *state, int peer) { return 0; }
 static void none_release(void *state, t3d_xfer_t *x) {}
 static void none_fini(void *state) {}
@@ -45,6 +49,7 @@ const t3d_transport_t t3d__transport_ucx = {
     .irecv = none_irecv,
     .progress = none_progress,
     .cancel = none_cancel,
+    .peek = none_peek,
     .peer_lost = none_peer_lost,
     .release = none_release,
     .fini = none_fini,

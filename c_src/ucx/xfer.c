@@ -19,11 +19,34 @@ t3d_result_t t3d__irecv(t3d_exec_t *ex, int peer, uint32_t step, void *buf, size
   return c->tp->irecv(c->tp_state, peer, t3d__coll_tag(ex->kind, ex->seq, step, peer), ~0ull, buf, bytes, x);
 }
 
+/* Ranks that run different collectives under one sequence number never take each other's messages (the tags
+ * carry the operation), so they would wait until their timeout. A wait that has lasted T3D__DESYNC_LOOK_MS looks,
+ * every T3D__DESYNC_LOOK_MS, whether a rank it awaits has sent this collective's number under another operation:
+ * then the ranks disagree, and this rank says so (and tells the others, base/watch.h). */
+#define T3D__DESYNC_LOOK_MS 200
+static t3d_result_t look_for_desync(t3d_exec_t *ex, const t3d_xfer_t *xs, int n) {
+  t3d_comm_t *c = ex->comm;
+  for (int i = 0; i < n; i++) {
+    if (!xs[i].is_recv || xs[i].peer < 0 || atomic_load_explicit(&xs[i].done, memory_order_acquire)) continue;
+    uint64_t tag = t3d__coll_tag(0, ex->seq, 0, xs[i].peer), found = 0;
+    uint64_t mask = ~((0xfull << 58) | ((uint64_t)0xfffffu << 16)); /* any operation, any step */
+    if (!c->tp->peek(c->tp_state, tag, mask, &found) || (int)((found >> 58) & 0xf) == (ex->kind & 0xf)) continue;
+    snprintf(ex->error, sizeof ex->error, "t3d: %s #%llu on group '%s' (rank %d of %d): rank %d runs %s #%llu where "
+             "this rank runs %s (ranks disagree on the operation)", ex->opname, (unsigned long long)ex->seq, c->name,
+             ex->rank, ex->size, xs[i].peer, t3d__op_name((t3d_op_kind_t)((found >> 58) & 0xf)),
+             (unsigned long long)ex->seq, ex->opname);
+    return T3D_ERR_MISMATCH;
+  }
+  return T3D_OK;
+}
+
 t3d_result_t t3d__waitall(t3d_exec_t *ex, t3d_xfer_t *xs, int n) {
   t3d_comm_t *c = ex->comm;
   t3d_result_t res = T3D_OK;
   t3d_backoff_t b = {0};
   int watched = 0, lost_rank = -1;
+  uint64_t look_at = 0;
+  int desync = 0;
   for (;;) {
     int pending = 0, lost = -1;
     for (int i = 0; i < n; i++) {
@@ -35,7 +58,15 @@ t3d_result_t t3d__waitall(t3d_exec_t *ex, t3d_xfer_t *xs, int n) {
     if (atomic_load(&c->aborted)) res = T3D_ERR_ABORTED;
     else if ((res = t3d__watch_check(c)) != T3D_OK) watched = 1; /* a peer lost or a failure told */
     else if (lost >= 0) res = T3D_ERR_PEER_LOST, lost_rank = lost;
-    else if (t3d__now_ns() > ex->deadline_ns) res = T3D_ERR_TIMEOUT;
+    else {
+      uint64_t now = t3d__now_ns();
+      if (now > ex->deadline_ns) res = T3D_ERR_TIMEOUT;
+      else if (look_at == 0) look_at = now + T3D__DESYNC_LOOK_MS * 1000000ull;
+      else if (now >= look_at) {
+        look_at = now + T3D__DESYNC_LOOK_MS * 1000000ull;
+        if ((res = look_for_desync(ex, xs, n)) != T3D_OK) desync = 1; /* ex->error says what */
+      }
+    }
     if (res != T3D_OK) break;
     int progressed = c->tp->progress(c->tp_state);
     t3d__ucx_p2p_poll(c);
@@ -55,7 +86,9 @@ t3d_result_t t3d__waitall(t3d_exec_t *ex, t3d_xfer_t *xs, int n) {
       }
     }
     for (int i = 0; i < n; i++) c->tp->cancel(c->tp_state, &xs[i]);
-    if (res == T3D_ERR_PEER_LOST && !watched) { /* UCX saw it first (the connection reset): the watch says more */
+    if (desync) {
+      /* look_for_desync wrote it */
+    } else if (res == T3D_ERR_PEER_LOST && !watched) { /* UCX saw it first (the connection reset): the watch says more */
       snprintf(ex->error, sizeof ex->error, "t3d: %s #%llu on group '%s' (rank %d of %d) lost rank %d: its UCX "
                "connection failed (the process died or its host is unreachable); still waiting for rank(s) %s",
                ex->opname, (unsigned long long)ex->seq, c->name, ex->rank, ex->size, lost_rank, ranks);
