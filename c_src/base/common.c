@@ -99,8 +99,8 @@ void t3d__log(int level, const char *file, int line, const char *fmt, ...) {
 /* Tags: 2 bits kind | 26 bits | 20 bits step | 16 bits source. A collective's 26 bits are its operation (4 bits)
  * and sequence number (22 bits): ranks that run different collectives under one sequence number (a desync) then
  * never take each other's messages for their own, which would return wrong data quietly; a wait that lasts finds
- * the other operation's messages instead (ucx/xfer.c, look_for_desync) and tells the others (base/watch.h). P2P user tags get 30 bits: the 26 plus the top 4 step bits,
- * which collectives of kind P2P never use. */
+ * the other operation's messages instead (ucx/xfer.c, look_for_desync) and tells the others (base/watch.h).
+ * P2P user tags get 30 bits: the 26 plus the top 4 step bits, which collectives of kind P2P never use. */
 uint64_t t3d__coll_tag(int op, uint64_t seq, uint32_t step, int src) {
   return (T3D_TAG_KIND_COLL << 62) | ((uint64_t)(op & 0xf) << 58) | ((seq & 0x3fffffull) << 36) |
          ((uint64_t)(step & 0xfffffu) << 16) | ((uint64_t)src & T3D_TAG_SRC_MASK);
