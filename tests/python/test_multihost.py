@@ -15,7 +15,7 @@ from datetime import timedelta
 import pytest
 
 import _dist
-import _netns
+from t3d import netns as _netns
 
 WHY = _netns.available()
 pytestmark = [
@@ -274,3 +274,24 @@ def test_train_across_hosts_without_a_shared_filesystem(tmp_path):
     with open(tmp_path / "metrics.json") as f:
         losses = json.load(f)["losses"]
     assert len(losses) == 3 and abs(losses[0] - 5.5364) < 1e-3 and losses[-1] < losses[0], losses
+
+
+# ---------- the benchmark's multi-host mode ----------
+
+@pytest.mark.timeout(240)
+def test_bench_collectives_on_simulated_hosts(tmp_path):
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "t3d.bench", "collectives", "--hosts", "2", "--nproc", "2", "--ops",
+           "all_reduce,all_gather", "--min", "4K", "--max", "64K", "--backends", "t3d,gloo", "--out", str(tmp_path),
+           "--timeout", "150"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=220, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    md = open(tmp_path / "collectives-2hosts-2ranks.md").read()
+    assert md.startswith("# t3d-bench collectives on 2 simulated hosts x 2 ranks"), md
+    rows = [l for l in md.splitlines() if l.startswith("| all_")]
+    assert [(r.split("|")[1].strip(), r.split("|")[2].strip()) for r in rows] == [
+        (op, str(n)) for op in ("all_reduce", "all_gather") for n in (4096, 16384, 65536)], md
+    assert "WRONG" not in md and " - |" not in md.split("| op |")[1].split("\n", 2)[2], md
+    assert re.search(r"^Link: \d+\.\d\d GB/s \(ucx_perftest", md, re.M), md

@@ -142,7 +142,7 @@ def _rank_main(rank: int, n: int, backend: str, init: str, ops: list[str], sizes
     if backend == "t3d":
         import t3d  # noqa: F401
     torch.set_num_threads(1)
-    dist.init_process_group(backend, init_method=f"file://{init}", rank=rank, world_size=n,
+    dist.init_process_group(backend, init_method=f"file://{init}" if init else "env://", rank=rank, world_size=n,
                             timeout=timedelta(seconds=300))
     fake = dist.new_group(backend="fake") if "all_reduce" in ops else None
     # A fresh process runs its first calls slowly (lazy binding, first-touch page faults, cold caches): warm the whole
@@ -621,6 +621,9 @@ def add_parser(sub) -> None:
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per backend")
     p.add_argument("--repeat", type=int, default=1,
                    help="run every backend this many times, alternating, and report each row's median")
+    p.add_argument("--hosts", type=int, default=0,
+                   help="run on this many simulated hosts (network namespaces joined by veth links; root only), "
+                        "--nproc ranks each: t3d and gloo over the same link, and ucx_perftest's bandwidth on it")
     p.add_argument("--render", default=None, metavar="JSON",
                    help="run nothing: rewrite the markdown (and PNG) of a saved run's JSON beside it")
 
@@ -670,6 +673,10 @@ def median_rows(runs: list[list[dict]]) -> list[dict]:
 def run(args) -> int:
     if args.render:
         return _rerender(args.render)
+    if args.hosts:
+        from . import multihost
+
+        return multihost.run(args)
     n = args.nproc
     ops = [o for o in args.ops.split(",") if o]
     bad = [o for o in ops if o not in OPS]

@@ -1,12 +1,12 @@
-"""Simulated hosts for tests that need more than one: each host is a network namespace with its own host name
-(UTS), System V IPC and a private /dev/shm (a mount namespace with its own tmpfs), joined to the others by veth
-links to a bridge; its addresses exist only inside those namespaces. Root only (tests skip otherwise).
+"""Simulated hosts on one machine (for tests and `t3d-bench collectives --hosts`): each host is a network namespace
+with its own host name (UTS), System V IPC and a private /dev/shm (a mount namespace with its own tmpfs), joined to
+the others by veth links to a bridge; its addresses exist only inside those namespaces. Root only.
 
     with NetnsHosts(2) as hosts:                      # hosts.addr[0] = "10.a.b.1", ...
         results = hosts.run(fn, ranks_per_host=2)     # fn(rank, world, report) in every rank, in its host
 
-`fn` is a module-level function (it is imported by name in each rank). It calls report(what, **fields) to send
-events back; run() returns {rank: [events...]}. hosts.cut(i) takes host i off the network (its link goes down:
+`fn` is a module-level function (each rank imports its module by name, with that module's folder on its path). It
+calls report(what, **fields) to send events back; run() returns {rank: [events...]}. hosts.cut(i) takes host i off the network (its link goes down:
 nothing is refused, packets just stop, as in a partition); `on_event` lets a test act when an event arrives.
 
 The ranks talk over UCX with TCP only (UCX_TLS=tcp): namespaces share one kernel, so UCX's shared-memory transports
@@ -25,7 +25,6 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def available() -> str:
@@ -89,6 +88,10 @@ class NetnsHosts:
         if "bridge" in self.made:
             subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
 
+    def exec(self, i: int, cmd: list[str], **kw) -> subprocess.Popen:
+        """Starts cmd on host i (its network namespace only: for tools such as ucx_perftest)."""
+        return subprocess.Popen(["ip", "netns", "exec", self.ns[i], *cmd], **kw)
+
     def cut(self, i: int) -> None:
         """Host i's link goes down at the bridge: its packets stop, nothing is refused or reset."""
         _ip("link", "set", self.links[i], "down")
@@ -106,8 +109,11 @@ class NetnsHosts:
             open(events_path, "w").close()
             launchers = []
             for h in range(self.n):
+                mod = sys.modules[fn.__module__]
+                where = os.path.dirname(os.path.abspath(mod.__file__)) if getattr(mod, "__file__", None) else ""
                 spec = {"host": f"host{h}", "ranks": list(range(h * ranks_per_host, (h + 1) * ranks_per_host)),
                         "world": world, "master": self.addr[0], "port": port, "fn": [fn.__module__, fn.__name__],
+                        "path": [where] + [p for p in sys.path if p and os.path.isdir(p)],
                         "events": events_path, "env": dict(env or {}), "private": list(private)}
                 cmd = ["ip", "netns", "exec", self.ns[h], "unshare", "--uts", "--ipc", "--mount",
                        "--propagation", "private", sys.executable, os.path.abspath(__file__), json.dumps(spec)]
@@ -168,7 +174,8 @@ def _host_main(spec: dict) -> None:
     env = dict(os.environ)
     env.update({"MASTER_ADDR": spec["master"], "MASTER_PORT": str(spec["port"]), "WORLD_SIZE": str(spec["world"]),
                 "UCX_TLS": "tcp", "OMP_NUM_THREADS": "1", "T3D_NETNS_SPEC": json.dumps(spec)})
-    env["PYTHONPATH"] = os.pathsep.join([HERE] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env["PYTHONPATH"] = os.pathsep.join([p for p in spec["path"] if p] +
+                                        [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     env.update(spec["env"])
     procs = []
     for local, rank in enumerate(spec["ranks"]):
@@ -202,6 +209,8 @@ def _rank_main() -> None:
 
 
 if __name__ == "__main__":
+    # Run as a script: its folder (the t3d package) must not stand in for top-level modules of the ranks.
+    sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
     if sys.argv[1] == "--rank":
         _rank_main()
     else:

@@ -1,0 +1,140 @@
+"""`t3d-bench collectives --hosts H`: the collective benchmark on H simulated hosts (t3d.netns: network namespaces
+with their own host names, IPC and /dev/shm, joined by veth links to a bridge; root only), --nproc ranks on each.
+
+t3d and gloo run the same rows as on one host, over the same link, taking turns (--repeat); ucx_perftest (UCX's own
+tool, tag bandwidth between host 0 and host 1, UCX_TLS=tcp as for the ranks) measures what the link carries. The
+table gives each row's time and busbw per backend, gloo's time over t3d's, and t3d's busbw as a share of the link.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+from .. import netns
+from .collectives import _rank_main, median_rows, parse_size, sizes_between
+from .opspec import OPS, bus_factor
+
+
+class _Rows:
+    """What _rank_main hands its result to (a queue on one host): here the rank's report."""
+
+    def __init__(self, report):
+        self.report = report
+
+    def put(self, rows):
+        self.report("rows", rows=rows)
+
+
+def _netns_rank(rank: int, world: int, report) -> None:
+    spec = json.loads(os.environ["T3D_BENCH_SPEC"])
+    _rank_main(rank, world, spec["backend"], None, spec["ops"], spec["sizes"], _Rows(report))
+    report("done")
+    os._exit(0)  # past destroy_process_group: nothing left to wait for
+
+
+def run_backend(hosts: netns.NetnsHosts, backend: str, nproc: int, ops: list[str], sizes: list[int],
+                timeout: float) -> list[dict]:
+    env = {"T3D_BENCH_SPEC": json.dumps({"backend": backend, "ops": ops, "sizes": sizes}),
+           "GLOO_SOCKET_IFNAME": "eth0"}
+    got = hosts.run(_netns_rank, nproc, env=env, seconds=timeout)
+    for ev in got[0]:
+        if ev["what"] == "rows":
+            return ev["rows"]
+    bad = {r: [e for e in evs if e["what"] in ("crashed", "raised")] for r, evs in got.items()}
+    raise RuntimeError(f"backend {backend}: no result within {timeout:.0f} s: {bad}")
+
+
+def link_bandwidth(hosts: netns.NetnsHosts, size: int, iters: int = 20) -> float | None:
+    """Bytes/s that ucx_perftest's tag_bw moves from host 0 to host 1 in messages of `size` bytes, or None."""
+    tool = shutil.which("ucx_perftest")
+    if tool is None:
+        return None
+    port = 13000 + os.getpid() % 2000
+    env = dict(os.environ, UCX_TLS="tcp")
+    server = hosts.exec(1, [tool, "-t", "tag_bw", "-s", str(size), "-n", str(iters), "-p", str(port)], env=env,
+                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out = ""
+        for _ in range(20):  # the server needs a moment to listen
+            time.sleep(0.5)
+            client = hosts.exec(0, [tool, hosts.addr[1], "-t", "tag_bw", "-s", str(size), "-n", str(iters), "-p",
+                                    str(port)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            out = client.communicate(timeout=120)[0]
+            if "Final:" in out:
+                break
+        m = re.search(r"^Final:\s+(\d+)\s+\S+\s+\S+\s+\S+\s+\S+\s+(\S+)", out, re.M)
+        return float(m.group(2)) * (1 << 20) if m else None  # its MB/s are 2^20 bytes per second
+    finally:
+        server.kill()
+        server.wait()
+
+
+def render(results: dict, world: int, hosts: int, link: float | None) -> str:
+    lines = [f"# t3d-bench collectives on {hosts} simulated hosts x {world // hosts} ranks (UCX over TCP between "
+             f"hosts; veth link)", ""]
+    if link:
+        lines.append(f"Link: {link / 1e9:.2f} GB/s (ucx_perftest tag_bw, 64 MiB messages, host 0 -> host 1).")
+    else:
+        lines.append("Link: not measured (ucx_perftest missing or failed).")
+    lines += ["", "| op | size | t3d time (us) | t3d busbw (GB/s) | gloo time (us) | gloo busbw (GB/s) | "
+              "gloo / t3d | t3d busbw / link |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    t3d = {(r["op"], r["bytes"]): r for r in results.get("t3d", [])}
+    gloo = {(r["op"], r["bytes"]): r for r in results.get("gloo", [])}
+    for key in sorted(set(t3d) | set(gloo), key=lambda k: (OPS.index(k[0]), k[1])):
+        op, size = key
+        cells = []
+        busbw = {}
+        for name, table in (("t3d", t3d), ("gloo", gloo)):
+            r = table.get(key)
+            if r is None:
+                cells += ["-", "-"]
+                continue
+            busbw[name] = size / (r["time_us"] * 1e-6) * bus_factor(op, world) / 1e9
+            cells += [f"{r['time_us']:.1f}" + (" WRONG" if r["wrong"] else ""), f"{busbw[name]:.2f}"]
+        ratio = (f"{gloo[key]['time_us'] / t3d[key]['time_us']:.2f}" if key in t3d and key in gloo else "-")
+        share = f"{busbw['t3d'] * 1e9 / link:.0%}" if link and "t3d" in busbw else "-"
+        lines.append(f"| {op} | {size} | " + " | ".join(cells) + f" | {ratio} | {share} |")
+    return "\n".join(lines) + "\n"
+
+
+def run(args) -> int:
+    why = netns.available()
+    if why:
+        print(f"t3d-bench: --hosts: simulated hosts are not available here: {why}", file=sys.stderr)
+        return 2
+    if args.hosts < 2:
+        print(f"t3d-bench: --hosts must be at least 2, not {args.hosts}", file=sys.stderr)
+        return 2
+    ops = [o for o in args.ops.split(",") if o and o in OPS]
+    sizes = sizes_between(parse_size(args.min), parse_size(args.max))
+    backends = [b for b in args.backends.split(",") if b in ("t3d", "gloo")]
+    world = args.hosts * args.nproc
+    runs: dict = {b: [] for b in backends}
+    with netns.NetnsHosts(args.hosts) as hosts:
+        link = link_bandwidth(hosts, 64 << 20)
+        for rep in range(max(1, args.repeat)):
+            for b in backends:
+                t0 = time.time()
+                runs[b].append(run_backend(hosts, b, args.nproc, ops, sizes, args.timeout))
+                print(f"{b}: {len(runs[b][-1])} rows in {time.time() - t0:.0f} s (run {rep + 1})", flush=True)
+    results = {b: median_rows(runs[b]) for b in backends if runs[b]}
+    md = render(results, world, args.hosts, link)
+    print(md)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    out = args.out or os.path.join(root, "docs", "benchmarks")
+    os.makedirs(out, exist_ok=True)
+    stem = os.path.join(out, args.tag or f"collectives-{args.hosts}hosts-{args.nproc}ranks")
+    with open(stem + ".json", "w") as f:
+        json.dump({"hosts": args.hosts, "nproc": args.nproc, "link_bytes_per_s": link, "results": results,
+                   "command": " ".join(["t3d-bench", "collectives"] + sys.argv[2:]),
+                   "when": time.strftime("%Y-%m-%d %H:%M")}, f, indent=1)
+    with open(stem + ".md", "w") as f:
+        f.write(md)
+    print(f"saved {stem}.json, .md")
+    return 0
