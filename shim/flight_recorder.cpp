@@ -15,7 +15,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
-#include <sstream>
+#include <functional>
 #include <stdexcept>
 
 #include <sys/stat.h>
@@ -127,11 +127,11 @@ size_t Recorder::addGroup(const std::string& name, const std::vector<int64_t>& g
   Group g;
   g.name = name;
   g.rank = rank;
-  std::ostringstream os;
-  os << "[";
-  for (size_t i = 0; i < members.size(); ++i) os << (i ? ", " : "") << members[i];
-  os << "]";
-  g.ranks = os.str();
+  // std::to_string, not an ostringstream: on the GPU machine's build an ostringstream in this library crashed
+  // inside libstdc++'s number formatting at every group creation (docs/benchmarks/gpu).
+  g.ranks = "[";
+  for (size_t i = 0; i < members.size(); ++i) g.ranks += (i ? ", " : "") + std::to_string(members[i]);
+  g.ranks += "]";
   if (globalRank_ < 0 && rank >= 0 && static_cast<size_t>(rank) < members.size()) {
     globalRank_ = static_cast<int>(members[rank]);
   }
@@ -383,9 +383,7 @@ std::string Recorder::pickled() {
       d.insert("retired", e->retired);
       d.insert("timeout_ms", e->timeoutMs);
       d.insert("is_p2p", e->p2p);
-      std::ostringstream tid;
-      tid << e->thread;
-      d.insert("thread_id", tid.str());
+      d.insert("thread_id", std::to_string(std::hash<std::thread::id>{}(e->thread)));
       GenericList frames = newList();
       for (const Frame& f : e->frames) {
         GenericDict fd = newDict();
