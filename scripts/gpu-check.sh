@@ -386,26 +386,75 @@ assert not info["ucx"], info["features"]
 print(f"import t3d from {os.environ['SITE']}: features {' '.join(f'{k}={v}' for k, v in info['features'].items())}; "
       f"cuda={info['cuda']}; CUDA kernels (t3d._C_cuda) {'loaded' if t3d.ops.CUDA_AVAILABLE else 'absent'}")
 EOF
+  # What the shim links against, and which C++ stream code it carries itself (a crash inside libstdc++'s number
+  # formatting was seen here): for the report's stage section.
+  local so
+  for so in "$SITE"/t3d/_C.*so "$SITE"/t3d/_C_cuda*.so; do
+    [ -f "$so" ] || continue
+    { echo "$(basename "$so"): libstdc++ and torch as resolved (ldd):"; echo '```'
+      ldd "$so" 2>&1 | grep -E 'stdc\+\+|gcc_s|c10|torch|not found' | head -n 12  || true
+      echo "std::basic_ostream / num_put code defined in the module itself (nm):"
+      nm -C --defined-only "$so" 2>/dev/null | grep -E 'basic_ostream<|num_put<' | head -n 8 || true
+      echo '```'; } >>"$STEP_SHOW"
+    # A module with a libstdc++ of its own beside torch's shared one crashes at its first ostream number formatting
+    # (the GPU machines' gcc links libstdc++ statically by default; shim/CMakeLists.txt names it to prevent that).
+    if command -v readelf >/dev/null && ! readelf -d "$so" | grep -q 'NEEDED.*libstdc++'; then
+      echo "$(basename "$so") does not load the shared libstdc++ (it carries its own copy, which crashes beside" \
+           "torch's): see T3D_SHARED_LIBSTDCXX in shim/CMakeLists.txt" | tee -a "$STEP_DETAIL"
+      return 1
+    fi
+  done
   if [ "$CUDA_KERNELS" = 1 ] && ! ls "$SITE"/t3d/_C_cuda*.so >/dev/null 2>&1; then
     echo "(no t3d/_C_cuda*.so: the CUDA kernels were not built, see configure)" >>"$STEP_DETAIL"
   fi
 }
 py_env() { export PYTHONPATH="$SITE" PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4; }
+# A native crash in a Python step is reported with its C/C++ backtrace: scripts/crash_backtrace.c, built here with
+# the machine's C compiler, is preloaded into the step's processes; symbolize_crash turns its module(+offset) frames
+# into function names (addr2line) and appends them to the step's section of the report.
+crash_preload() {
+  local so="$BUILD/crash_backtrace.so"
+  [ -f "$so" ] || cc -std=c11 -O1 -shared -fPIC -o "$so" "$ROOT/scripts/crash_backtrace.c" 2>/dev/null || return 0
+  export LD_PRELOAD="$so${LD_PRELOAD:+:$LD_PRELOAD}"
+}
+symbolize_crash() {  # log file
+  grep -q '==== t3d crash_backtrace' "$1" 2>/dev/null || return 0
+  {
+    echo
+    echo "Native crash (scripts/crash_backtrace.c; frames as function @ file:line where addr2line knows them):"
+    echo
+    echo '```'
+    awk '/==== t3d crash_backtrace/{on=1} on{print} /==== end of crash_backtrace/{on=0; if (++n == 2) exit}' "$1" |
+      while IFS= read -r line; do
+        if [[ "$line" =~ ^(/[^\(]+)\(\+(0x[0-9a-f]+)\) ]] && command -v addr2line >/dev/null; then
+          echo "$line  ->  $(addr2line -f -C -p -e "${BASH_REMATCH[1]}" "${BASH_REMATCH[2]}" 2>/dev/null | head -c 300)"
+        else
+          echo "$line"
+        fi
+      done
+    echo '```'
+  } >>"$STEP_SHOW"
+}
 step_nccl() {
   py_env
   local rc=0
-  "$PY" "$ROOT/scripts/gpu_check_nccl.py" | tee "$STEP_SHOW" || rc=$?
+  crash_preload
+  "$PY" "$ROOT/scripts/gpu_check_nccl.py" 2>"$STATE/nccl.err" | tee "$STEP_SHOW" || rc=$?
+  cat "$STATE/nccl.err" >&2
   grep -v '^ *$' "$STEP_SHOW" | tail -n 1 >"$STEP_DETAIL" || true
+  symbolize_crash "$STATE/nccl.err"
   return $rc
 }
 pytest_step() {  # pytest args...: fails unless something passed and nothing failed
   py_env
   local rc=0
-  (cd "$ROOT" && "$PY" -m pytest -q -rs -p no:cacheprovider "$@") | tee "$STATE/pytest.out" || rc=$?
+  crash_preload
+  (cd "$ROOT" && "$PY" -m pytest -q -rs -p no:cacheprovider "$@") 2>&1 | tee "$STATE/pytest.out" || rc=$?
   grep -E '^(=+ )?[0-9]+ (passed|failed|skipped|error|deselected)' "$STATE/pytest.out" | tail -n 1 | sed 's/=//g' \
     >"$STEP_DETAIL" || echo "pytest exit status $rc" >"$STEP_DETAIL"
   grep -E '^SKIPPED' "$STATE/pytest.out" | head -n 20 | sed 's/^/    /' >"$STEP_SHOW" || true
   [ -s "$STEP_SHOW" ] && sed -i '1i Skipped:\n' "$STEP_SHOW"
+  symbolize_crash "$STATE/pytest.out"
   [ $rc -eq 0 ] || return $rc
   grep -q ' passed' "$STEP_DETAIL" || { echo "nothing passed: $(cat "$STEP_DETAIL")" >"$STEP_DETAIL"; return 1; }
   # On a GPU machine a test skipped for want of a GPU (or of the CUDA kernels) is a failure of the check.
@@ -443,6 +492,7 @@ step_ctest() {
   return $rc
 }
 export -f step_env step_kit cmake_args step_configure step_build step_build_nowerror step_stage py_env step_nccl \
+  crash_preload symbolize_crash \
   pytest_step step_pytest_cuda step_pytest_attention step_bench step_ctest
 export NCCL_WHEEL_NAME
 

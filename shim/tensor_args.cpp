@@ -41,10 +41,11 @@ const char* redopName(c10d::ReduceOp::RedOpType op) {
 
 }  // namespace
 
+// Strings are built with std::to_string, not ostringstreams: see flight_recorder.cpp (addGroup).
 std::string shapeStr(const at::Tensor& t) {
-  std::ostringstream os;
-  os << t.sizes();
-  return os.str();
+  std::string s = "[";
+  for (int64_t d = 0; d < t.dim(); ++d) s += (d ? ", " : "") + std::to_string(t.size(d));
+  return s + "]";
 }
 
 CType reduceType(const OpCtx& c, const char* arg, const at::Tensor& t) {

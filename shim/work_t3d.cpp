@@ -73,10 +73,10 @@ WorkT3DBase::WorkT3DBase(std::shared_ptr<CommHandle> comm, int rank, c10d::OpTyp
 }
 
 std::string WorkT3DBase::describe() const {
-  std::ostringstream os;
-  os << opName_ << " #" << seq_ << " on rank " << rank_ << " of group '" << group_ << "'";
-  if (device_) os << " (" << *device_ << ")";
-  return os.str();
+  std::string s = std::string(opName_) + " #" + std::to_string(seq_) + " on rank " + std::to_string(rank_) +
+                  " of group '" + group_ + "'";
+  if (device_) s += " (" + device_->str() + ")";
+  return s;
 }
 
 void WorkT3DBase::abort() {

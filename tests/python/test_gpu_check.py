@@ -1,8 +1,10 @@
 # scripts/gpu-check.sh on a machine without a GPU: `prepare` makes the kit (GoogleTest's sources) in a temporary
 # directory, then the check runs its kit check and its build as on a GPU machine (T3D_WITH_UCX=OFF, GoogleTest from
 # the kit, modules staged by `cmake --install` outside the source tree) and must record every GPU step as skipped with
-# its reason. To stay short it builds only the library, the CPU kernels and the shim (GoogleTest from the kit is
-# configured, not compiled), without the CUDA kernels; the full build, tests included, is what the GPU machine runs.
+# its reason. The build links with LDFLAGS=-static-libstdc++, as the GPU machines' compiler does by default, and the
+# staged module must still load the shared libstdc++. To stay short it builds only the library, the CPU kernels and
+# the shim (GoogleTest from the kit is configured, not compiled), without the CUDA kernels; the full build, tests
+# included, is what the GPU machine runs.
 import os
 import re
 import subprocess
@@ -47,7 +49,10 @@ def test_prepare_and_build_without_gpu(tmp_path):
         ["bash", SCRIPT, "--no-gpu", "--kit", str(kit), "--out", str(out), "--build-dir", str(build),
          "--python", sys.executable, "--no-cuda-kernels", "--targets", "t3d t3d_kernels t3d_shim",
          "--deadline", "840"],
-        capture_output=True, text=True, timeout=870)
+        capture_output=True, text=True, timeout=870,
+        # The GPU machines' gcc links libstdc++ statically unless told otherwise; so does this build: the staged
+        # module must still load the shared libstdc++ (the stage step checks it).
+        env={**os.environ, "LDFLAGS": "-static-libstdc++"})
     report_path = out / "gpu-check-report.md"
     assert report_path.is_file(), r.stdout[-4000:] + r.stderr[-4000:]
     report = report_path.read_text()
@@ -64,6 +69,8 @@ def test_prepare_and_build_without_gpu(tmp_path):
     assert "building without UCX (T3D_WITH_UCX=OFF)" in report
     assert f"building GoogleTest from {kit}/googletest" in report
     assert "ucx=no" in report  # the staged package was imported and says it has no UCX
+    assert re.search(r"_C\.\S+\.so: libstdc\+\+ and torch as resolved \(ldd\):\n```\n(.*\n)*?\s+libstdc\+\+\.so\.6 =>",
+                     report), report
     assert (out / "gpu-check-logs.tar.gz").is_file()
     # The build stays in its own directory: nothing is written next to the Python sources.
     assert _modules_in_source_tree() == before
