@@ -79,6 +79,7 @@ struct t3d_request {
 };
 
 typedef struct t3d_nccl t3d_nccl_t;
+typedef struct t3d_hier t3d_hier_t;
 
 struct t3d_comm {
   int rank, size;
@@ -91,6 +92,7 @@ struct t3d_comm {
   t3d_shm_t *shm; /* same-host collectives, or NULL */
   t3d_shm_p2p_t *shm_p2p; /* same-host point-to-point, or NULL (then UCX) */
   t3d_nccl_t *nccl; /* CUDA buffers (c_src/nccl/) */
+  t3d_hier_t *hier; /* across hosts with several ranks on each: the two-level collectives (core/hier.c), or NULL */
   /* The provider whose posted point-to-point completes only when someone runs its passes (shm): t3d_test and
    * t3d_wait drive it for requests marked on_shm (base/request.c). NULL when there is none. */
   const struct t3d_provider *p2p_driver;

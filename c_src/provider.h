@@ -67,6 +67,7 @@ typedef struct t3d_provider {
 
 extern const t3d_provider_t t3d__provider_shm;  /* shm/provider.c */
 extern const t3d_provider_t t3d__provider_ucx;  /* ucx/provider.c */
+extern const t3d_provider_t t3d__provider_hier; /* core/hier.c: shm inside hosts + ucx between them */
 extern const t3d_provider_t t3d__provider_nccl; /* nccl/nccl_coll.c */
 
 #endif /* T3D_PROVIDER_H */

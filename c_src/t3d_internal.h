@@ -122,6 +122,9 @@ extern const t3d_transport_t t3d__transport_ucx;
 typedef struct t3d_exec {
   t3d_comm_t *comm;
   int rank, size;
+  /* Where rank and size number a subset of the communicator (core/hier.c: a lane across hosts): peers[i] is the
+   * communicator's rank of the subset's rank i. NULL: the whole communicator, rank for rank. */
+  const int *peers;
   const char *opname; /* "allreduce", ... */
   int kind;           /* its t3d_op_kind_t */
   uint64_t seq;       /* collective sequence number on this communicator */

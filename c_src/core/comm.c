@@ -95,6 +95,45 @@ static t3d_result_t setup_shm(t3d_comm_t *comm, const char *want) {
   return T3D_OK;
 }
 
+/* Across hosts with as many ranks on each (core/hier.c): the child communicator of this host's ranks. */
+static t3d_result_t setup_hier(t3d_comm_t *comm) {
+  int local_rank = 0, local_size = 0;
+  t3d_result_t res = T3D_OK;
+  t3d_hier_t *h = t3d__hier_layout(comm, &local_rank, &local_size, &res);
+  if (h == NULL) return res;
+  t3d_config_t c;
+  t3d_config_init(&c);
+  char name[64], prefix[300];
+  snprintf(name, sizeof name, "%.50s/host", comm->name);
+  snprintf(prefix, sizeof prefix, "%s/hier/host%d", comm->prefix, t3d__hier_host(h));
+  c.name = name;
+  c.key_prefix = prefix;
+  c.timeout_ms = comm->timeout_ms;
+  c.transport = "auto";
+  t3d_comm_t *local = NULL;
+  res = t3d_comm_init(&local, local_rank, local_size, &comm->store, &c);
+  if (res != T3D_OK || local->shm == NULL) {
+    if (res == T3D_OK) res = T3D_ERR_INTERNAL;
+    t3d__set_error(comm, res, "t3d_comm_init: rank %d of group '%s' could not join the group of its host "
+                   "(two-level collectives across hosts): %s", comm->rank, comm->name, t3d_thread_last_error());
+    if (local != NULL) t3d_comm_destroy(local);
+    t3d__hier_free(h);
+    return res;
+  }
+  t3d__hier_attach(h, local);
+  comm->hier = h;
+  T3D_INFO("comm '%s' rank %d: two-level collectives, %d hosts x %d ranks (local rank %d)", comm->name, comm->rank,
+           comm->size / local_size, local_size, local_rank);
+  return T3D_OK;
+}
+
+static void free_hier(t3d_comm_t *comm) {
+  if (comm->hier == NULL) return;
+  t3d_comm_destroy(t3d__hier_local(comm->hier));
+  t3d__hier_free(comm->hier);
+  comm->hier = NULL;
+}
+
 static void comm_free(t3d_comm_t *comm) {
   pthread_mutex_destroy(&comm->mu);
   pthread_cond_destroy(&comm->cv);
@@ -142,9 +181,18 @@ t3d_result_t t3d_comm_init(t3d_comm_t **out, int rank, int size, const t3d_store
     res = t3d__watch_join(comm);
     if (res != T3D_OK) comm->tp->fini(comm->tp_state);
   }
+  /* Across hosts, over the default transport: a group of this host's ranks for the two-level collectives. */
+  if (res == T3D_OK && comm->shm == NULL && T3D_HAVE_UCX && strcmp(want, "auto") == 0) {
+    res = setup_hier(comm);
+    if (res != T3D_OK) {
+      t3d__watch_leave(comm);
+      comm->tp->fini(comm->tp_state);
+    }
+  }
   if (res == T3D_OK) {
     res = t3d__nccl_new(&comm->nccl);
     if (res != T3D_OK) {
+      free_hier(comm);
       t3d__watch_leave(comm);
       t3d__shm_p2p_free(comm->shm_p2p);
       t3d__shm_fini(comm->shm);
@@ -154,6 +202,7 @@ t3d_result_t t3d_comm_init(t3d_comm_t **out, int rank, int size, const t3d_store
   if (res == T3D_OK) t3d__providers_choose(comm);
   if (res == T3D_OK && pthread_create(&comm->thread, NULL, t3d__progress_main, comm) != 0) {
     res = t3d__set_error(comm, T3D_ERR_SYSTEM, "t3d_comm_init: cannot start the progress thread on rank %d", rank);
+    free_hier(comm);
     t3d__watch_leave(comm);
     t3d__nccl_free(comm->nccl, 0);
     t3d__shm_p2p_free(comm->shm_p2p);
@@ -184,6 +233,7 @@ t3d_result_t t3d_comm_destroy(t3d_comm_t *comm) {
     pthread_join(comm->thread, NULL);
   }
   t3d__nccl_free(comm->nccl, comm->timeout_ms);
+  free_hier(comm);
   t3d__shm_p2p_free(comm->shm_p2p);
   t3d__shm_fini(comm->shm);
   comm->tp->fini(comm->tp_state);
@@ -199,6 +249,7 @@ t3d_result_t t3d_comm_abort(t3d_comm_t *comm) {
              comm->rank);
   }
   atomic_store(&comm->aborted, 1);
+  if (comm->hier != NULL) t3d_comm_abort(t3d__hier_local(comm->hier));
   t3d__nccl_abort(comm->nccl);
   pthread_mutex_lock(&comm->mu);
   pthread_cond_signal(&comm->cv);

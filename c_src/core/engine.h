@@ -6,7 +6,7 @@
 #include "provider.h"
 
 /* ---------- choosing a provider (select.c) ---------- */
-/* The providers in the order they are tried (T3D_PROVIDERS, default "shm,nccl,ucx"), NULL-terminated. */
+/* The providers in the order they are tried (T3D_PROVIDERS, default "shm,nccl,hier,ucx"), NULL-terminated. */
 const t3d_provider_t *const *t3d__providers(void);
 /* Works out, once the communicator is set up, which provider runs each kind of operation on each kind of memory:
  * the first of that list that fits, or NULL (then nothing can run it). */
@@ -47,6 +47,17 @@ t3d_result_t t3d__submit(t3d_comm_t *comm, t3d_request_t *req, t3d_request_t **o
 t3d_result_t t3d__submit_prepared(t3d_comm_t *comm, t3d_request_t *req, t3d_request_t **out);
 /* Appends req to the progress thread's queue. */
 void t3d__enqueue(t3d_comm_t *comm, t3d_request_t *req);
+
+/* ---------- two levels across hosts (hier.c) ---------- */
+/* On a communicator without a segment whose hosts hold two or more ranks each, as many on every host: the layout
+ * (hosts, lanes) and this rank's place in its host (local_rank of local_size); NULL otherwise, or with T3D_HIER=0,
+ * or on error (*res). comm.c then makes the child communicator of this host's ranks and attaches it. */
+t3d_hier_t *t3d__hier_layout(t3d_comm_t *comm, int *local_rank, int *local_size, t3d_result_t *res);
+int t3d__hier_host(const t3d_hier_t *h); /* this rank's host, numbered by their lowest ranks */
+void t3d__hier_attach(t3d_hier_t *h, t3d_comm_t *local);
+t3d_comm_t *t3d__hier_local(const t3d_hier_t *h);
+/* Frees the layout (not the child: comm.c destroys it). */
+void t3d__hier_free(t3d_hier_t *h);
 
 /* ---------- the progress thread (progress.c) ---------- */
 void *t3d__progress_main(void *comm);

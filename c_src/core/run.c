@@ -135,6 +135,7 @@ void t3d__exec_init(t3d_comm_t *comm, t3d_request_t *r, t3d_exec_t *ex) {
   ex->comm = comm;
   ex->rank = comm->rank;
   ex->size = comm->size;
+  ex->peers = NULL;
   ex->opname = t3d__op_name(r->kind);
   ex->kind = (int)r->kind;
   ex->seq = r->seq;

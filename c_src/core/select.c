@@ -3,6 +3,8 @@
  *   shm   host memory, every rank of the communicator on this host (the segment exists): collectives, and
  *         point-to-point when every rank can read the others' memory; gather and scatter only without UCX
  *   nccl  CUDA memory: everything, on the caller's stream
+ *   hier  host memory across hosts with several ranks on each (comm->hier, core/hier.c): allreduce in two levels,
+ *         shared memory inside each host and UCX between hosts
  *   ucx   host memory: everything else (ranks on other hosts, T3D_TRANSPORT=ucx, gather and scatter)
  * T3D_PROVIDERS (a comma list of these names) changes the order or leaves providers out, for tests and
  * comparisons: "ucx" runs a same-host communicator's collectives and point-to-point through the UCX algorithms. */
@@ -11,7 +13,8 @@
 #include <pthread.h>
 #include <string.h>
 
-static const t3d_provider_t *const all[] = {&t3d__provider_shm, &t3d__provider_nccl, &t3d__provider_ucx};
+static const t3d_provider_t *const all[] = {&t3d__provider_shm, &t3d__provider_nccl, &t3d__provider_hier,
+                                            &t3d__provider_ucx};
 #define NALL ((int)(sizeof all / sizeof all[0]))
 
 static const t3d_provider_t *chosen[NALL + 1];
@@ -35,7 +38,9 @@ static void choose(void) {
       for (int j = 0; j < n; j++) dup |= chosen[j] == all[i];
       if (!dup) chosen[n++] = all[i];
     }
-    if (!found) T3D_WARN("T3D_PROVIDERS=%s: ignoring '%.*s' (the providers are shm, nccl, ucx)", want, (int)len, s);
+    if (!found) {
+      T3D_WARN("T3D_PROVIDERS=%s: ignoring '%.*s' (the providers are shm, nccl, hier, ucx)", want, (int)len, s);
+    }
     s += len + (s[len] == ',');
   }
 }

@@ -8,13 +8,16 @@
 
 
 
+/* peer is a rank of the exec (of its subset, ex->peers); transfers, tags and messages use the communicator's. */
 t3d_result_t t3d__isend(t3d_exec_t *ex, int peer, uint32_t step, const void *buf, size_t bytes, t3d_xfer_t *x) {
   t3d_comm_t *c = ex->comm;
-  return c->tp->isend(c->tp_state, peer, t3d__coll_tag(ex->kind, ex->seq, step, ex->rank), buf, bytes, x);
+  if (ex->peers != NULL) peer = ex->peers[peer];
+  return c->tp->isend(c->tp_state, peer, t3d__coll_tag(ex->kind, ex->seq, step, c->rank), buf, bytes, x);
 }
 
 t3d_result_t t3d__irecv(t3d_exec_t *ex, int peer, uint32_t step, void *buf, size_t bytes, t3d_xfer_t *x) {
   t3d_comm_t *c = ex->comm;
+  if (ex->peers != NULL) peer = ex->peers[peer];
   x->truncate = 0;
   return c->tp->irecv(c->tp_state, peer, t3d__coll_tag(ex->kind, ex->seq, step, peer), ~0ull, buf, bytes, x);
 }
@@ -33,11 +36,20 @@ static t3d_result_t look_for_desync(t3d_exec_t *ex, const t3d_xfer_t *xs, int n)
     if (!c->tp->peek(c->tp_state, tag, mask, &found) || (int)((found >> 58) & 0xf) == (ex->kind & 0xf)) continue;
     snprintf(ex->error, sizeof ex->error, "t3d: %s #%llu on group '%s' (rank %d of %d): rank %d runs %s #%llu where "
              "this rank runs %s (ranks disagree on the operation)", ex->opname, (unsigned long long)ex->seq, c->name,
-             ex->rank, ex->size, xs[i].peer, t3d__op_name((t3d_op_kind_t)((found >> 58) & 0xf)),
+             c->rank, c->size, xs[i].peer, t3d__op_name((t3d_op_kind_t)((found >> 58) & 0xf)),
              (unsigned long long)ex->seq, ex->opname);
     return T3D_ERR_MISMATCH;
   }
   return T3D_OK;
+}
+
+/* A peer whose UCX connection broke may have failed and exited after telling why (base/watch.h): that report comes
+ * over another socket, so a watched group gives it the watch's grace before it reports the loss as such. */
+static int lost_for_good(const t3d_comm_t *c, uint64_t *since) {
+  if (c->watch == NULL) return 1;
+  uint64_t now = t3d__now_ns();
+  if (*since == 0) *since = now;
+  return now >= *since + T3D__WATCH_GRACE_MS * 1000000ull;
 }
 
 t3d_result_t t3d__waitall(t3d_exec_t *ex, t3d_xfer_t *xs, int n) {
@@ -45,7 +57,7 @@ t3d_result_t t3d__waitall(t3d_exec_t *ex, t3d_xfer_t *xs, int n) {
   t3d_result_t res = T3D_OK;
   t3d_backoff_t b = {0};
   int watched = 0, lost_rank = -1;
-  uint64_t look_at = 0;
+  uint64_t look_at = 0, lost_since = 0;
   int desync = 0;
   for (;;) {
     int pending = 0, lost = -1;
@@ -57,7 +69,7 @@ t3d_result_t t3d__waitall(t3d_exec_t *ex, t3d_xfer_t *xs, int n) {
     if (pending == 0) break;
     if (atomic_load(&c->aborted)) res = T3D_ERR_ABORTED;
     else if ((res = t3d__watch_check(c)) != T3D_OK) watched = 1; /* a peer lost or a failure told */
-    else if (lost >= 0) res = T3D_ERR_PEER_LOST, lost_rank = lost;
+    else if (lost >= 0 && lost_for_good(c, &lost_since)) res = T3D_ERR_PEER_LOST, lost_rank = lost;
     else {
       uint64_t now = t3d__now_ns();
       if (now > ex->deadline_ns) res = T3D_ERR_TIMEOUT;
@@ -91,15 +103,15 @@ t3d_result_t t3d__waitall(t3d_exec_t *ex, t3d_xfer_t *xs, int n) {
     } else if (res == T3D_ERR_PEER_LOST && !watched) { /* UCX saw it first (the connection reset): the watch says more */
       snprintf(ex->error, sizeof ex->error, "t3d: %s #%llu on group '%s' (rank %d of %d) lost rank %d: its UCX "
                "connection failed (the process died or its host is unreachable); still waiting for rank(s) %s",
-               ex->opname, (unsigned long long)ex->seq, c->name, ex->rank, ex->size, lost_rank, ranks);
+               ex->opname, (unsigned long long)ex->seq, c->name, c->rank, c->size, lost_rank, ranks);
     } else if (watched) {
       snprintf(ex->error, sizeof ex->error, "t3d: %s #%llu on group '%s' (rank %d of %d) %.600s; still waiting "
-               "for rank(s) %.200s", ex->opname, (unsigned long long)ex->seq, c->name, ex->rank, ex->size,
+               "for rank(s) %.200s", ex->opname, (unsigned long long)ex->seq, c->name, c->rank, c->size,
                c->watch_msg, ranks);
     } else {
       snprintf(ex->error, sizeof ex->error,
                "t3d: %s #%llu on group '%s' (rank %d of %d) %s (timeout %lld ms); still waiting for rank(s) %s",
-               ex->opname, (unsigned long long)ex->seq, c->name, ex->rank, ex->size, t3d__fail_verb(res),
+               ex->opname, (unsigned long long)ex->seq, c->name, c->rank, c->size, t3d__fail_verb(res),
                (long long)ex->timeout_ms, ranks);
     }
   } else {
@@ -109,7 +121,7 @@ t3d_result_t t3d__waitall(t3d_exec_t *ex, t3d_xfer_t *xs, int n) {
         /* A dying peer shows up as whatever the transport saw first; say what happened. */
         if (res == T3D_ERR_TRANSPORT && c->tp->peer_lost(c->tp_state, xs[i].peer)) res = T3D_ERR_PEER_LOST;
         snprintf(ex->error, sizeof ex->error, "t3d: %s #%llu on group '%s' (rank %d of %d): transfer with rank %d: %s",
-                 ex->opname, (unsigned long long)ex->seq, c->name, ex->rank, ex->size, xs[i].peer,
+                 ex->opname, (unsigned long long)ex->seq, c->name, c->rank, c->size, xs[i].peer,
                  t3d_result_string(res));
         break;
       }
@@ -118,7 +130,7 @@ t3d_result_t t3d__waitall(t3d_exec_t *ex, t3d_xfer_t *xs, int n) {
         snprintf(ex->error, sizeof ex->error,
                  "t3d: %s #%llu on group '%s' (rank %d of %d): rank %d sent %zu bytes where %zu were expected "
                  "(ranks disagree on the size of the operation)",
-                 ex->opname, (unsigned long long)ex->seq, c->name, ex->rank, ex->size, xs[i].peer, xs[i].bytes,
+                 ex->opname, (unsigned long long)ex->seq, c->name, c->rank, c->size, xs[i].peer, xs[i].bytes,
                  xs[i].posted);
         break;
       }

@@ -96,8 +96,10 @@ class NetnsHosts:
         """Host i's link goes down at the bridge: its packets stop, nothing is refused or reset."""
         _ip("link", "set", self.links[i], "down")
 
-    def run(self, fn, ranks_per_host: int, *, env=None, seconds=60.0, on_event=None, want=None, private=()):
-        """Runs fn in ranks_per_host ranks on every host (ranks numbered host by host) and collects their events
+    def run(self, fn, ranks_per_host: int, *, env=None, seconds=60.0, on_event=None, want=None, private=(),
+            interleaved=False):
+        """Runs fn in ranks_per_host ranks on every host (ranks numbered host by host, or round the hosts with
+        `interleaved`: host h gets ranks h, h + hosts, ...) and collects their events
         until every rank in `want` (default: all) has sent a 'done' or 'raised' event, or `seconds` pass; then
         every rank process is ended. Each directory in `private` (it must exist) gets an empty tmpfs of its own on
         every host: hosts that share no filesystem there. Returns {rank: [event dicts]}."""
@@ -111,7 +113,9 @@ class NetnsHosts:
             for h in range(self.n):
                 mod = sys.modules[fn.__module__]
                 where = os.path.dirname(os.path.abspath(mod.__file__)) if getattr(mod, "__file__", None) else ""
-                spec = {"host": f"host{h}", "ranks": list(range(h * ranks_per_host, (h + 1) * ranks_per_host)),
+                ranks = (list(range(h, world, self.n)) if interleaved
+                         else list(range(h * ranks_per_host, (h + 1) * ranks_per_host)))
+                spec = {"host": f"host{h}", "ranks": ranks,
                         "world": world, "master": self.addr[0], "port": port, "fn": [fn.__module__, fn.__name__],
                         "path": [where] + [p for p in sys.path if p and os.path.isdir(p)],
                         "events": events_path, "env": dict(env or {}), "private": list(private)}

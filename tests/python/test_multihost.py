@@ -116,7 +116,11 @@ def _lost_or_told(rank: int, world_or_sub: str, lost: str) -> str:
     return (rf"t3d: {op} {me} {lost}; still waiting for rank\(s\) [\d, ]+"
             rf"|t3d: {op} {me} failed: rank \d broke the group: t3d: {op} {me} "
             rf"|t3d: allreduce #\d+ on group '\d+' \(rank \d\) not run: the communicator is broken by an earlier "
-            rf"error: ({lost}|failed: rank \d broke the group: t3d: {op} {me})")
+            rf"error: ({lost}|failed: rank \d broke the group: t3d: {op} {me})"
+            # in the two-level allreduce (shared memory in each host), while its host's part ran
+            rf"|{op} {me} failed in its host's part, group '\d+/host', whose ranks 0\.\.1 are ranks \d, \d here: "
+            rf"t3d: allreduce #\d+ on group '\d+/host' \(rank \d of 2\) (lost rank \d: its process \(pid \d+\) has "
+            rf"exited|failed: rank \d broke the group)")
 
 
 @pytest.mark.timeout(150)
@@ -184,6 +188,89 @@ def test_partition_fails_every_rank_within_the_peer_timeout():
         assert f"on host '{other}'" in msg, f"rank {rank}: {msg!r}"
 
 
+# ---------- two levels: shared memory in each host, UCX between hosts ----------
+
+def _two_level(rank: int, world: int, report) -> None:
+    torch, dist = _init(rank, world)
+    hosts = 2
+    host = int(os.environ["T3D_TEST_HOST_OF"].split(",")[rank])
+    bad = []
+    for n in (1, 3, 4, 1000, 65537, 1 << 20):
+        for dt in (torch.float32, torch.float64, torch.int32, torch.bfloat16):
+            for op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.AVG):
+                if op == dist.ReduceOp.AVG and not dt.is_floating_point:
+                    continue
+                xs = [(torch.arange(n) % 97 * (p + 1) + p).to(dt) for p in range(world)]  # exact in every dtype
+                x = xs[rank].clone()
+                dist.all_reduce(x, op=op)
+                ref = torch.stack([t.double() for t in xs])
+                want = {dist.ReduceOp.SUM: ref.sum(0), dist.ReduceOp.MAX: ref.max(0).values,
+                        dist.ReduceOp.AVG: ref.sum(0) / world}[op]
+                tol = 0.01 * float(want.abs().max()) if dt == torch.bfloat16 else 0.0
+                if not torch.allclose(x.double(), want, atol=tol, rtol=0):
+                    bad.append(f"all_reduce n={n} {dt} {op}")
+    # Random floats: every rank ends with the same bits (one owner per element at every level).
+    g = torch.Generator().manual_seed(rank)
+    r = torch.randn(300001, generator=g)
+    dist.all_reduce(r)
+    got = [torch.empty_like(r) for _ in range(world)]
+    dist.all_gather(got, r)
+    if not all(torch.equal(got[0], t) for t in got):
+        bad.append("all_reduce results differ between ranks")
+    for n in (1, 100, 70000, 3 << 20):
+        for root in range(world):
+            y = torch.full((n,), float(rank)) + (torch.arange(n) if rank == root else 0)
+            dist.broadcast(y, src=root)
+            if not torch.equal(y, torch.full((n,), float(root)) + torch.arange(n)):
+                bad.append(f"broadcast n={n} root={root}")
+    for n in (1, 1000, 300001):
+        for dt in (torch.float32, torch.int64, torch.bfloat16):
+            out = torch.empty(world * n, dtype=dt)
+            dist.all_gather_into_tensor(out, (torch.arange(n) % 101 + 1000 * rank).to(dt))
+            want = torch.cat([(torch.arange(n) % 101 + 1000 * p).to(dt) for p in range(world)])
+            if not torch.equal(out, want):
+                bad.append(f"all_gather_into_tensor n={n} {dt}")
+            parts = [torch.empty(n, dtype=dt) for _ in range(world)]
+            dist.all_gather(parts, torch.full((n,), rank + 1, dtype=dt))
+            if not all(torch.equal(t, torch.full((n,), p + 1, dtype=dt)) for p, t in enumerate(parts)):
+                bad.append(f"all_gather n={n} {dt}")
+            for op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.AVG):
+                if op == dist.ReduceOp.AVG and not dt.is_floating_point:
+                    continue
+                inp = [(torch.arange(world * n) % 89 * (p + 1) + p).to(dt) for p in range(world)]
+                o = torch.empty(n, dtype=dt)
+                dist.reduce_scatter_tensor(o, inp[rank], op=op)
+                ref = torch.stack([t.double() for t in inp])
+                full = {dist.ReduceOp.SUM: ref.sum(0), dist.ReduceOp.MAX: ref.max(0).values,
+                        dist.ReduceOp.AVG: ref.sum(0) / world}[op]
+                want = full[rank * n:(rank + 1) * n]
+                tol = 0.01 * float(want.abs().max()) if dt == torch.bfloat16 else 0.0
+                if not torch.allclose(o.double(), want, atol=tol, rtol=0):
+                    bad.append(f"reduce_scatter_tensor n={n} {dt} {op}")
+    report("done", bad=bad, host=host)
+    dist.destroy_process_group()
+    _hard_exit()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("interleaved", [False, True], ids=["hosts-contiguous", "hosts-interleaved"])
+def test_two_level_collectives_across_hosts(tmp_path, interleaved):
+    """2 hosts x 2 ranks: allreduce (every size, dtype and op the engine treats apart), broadcast (every root),
+    allgather and reduce_scatter take the two levels, with ranks numbered host by host or round the hosts
+    (reduce_scatter then goes over UCX between all ranks), and give the exact results."""
+    log = str(tmp_path / "t3d.log")
+    host_of = ",".join(str(p % 2 if interleaved else p // 2) for p in range(4))
+    with _netns.NetnsHosts(2) as hosts:
+        got = hosts.run(_two_level, 2, seconds=200, interleaved=interleaved,
+                        env={"T3D_DEBUG": "INFO", "T3D_DEBUG_FILE": log, "T3D_TEST_HOST_OF": host_of})
+    for rank in range(4):
+        ends = [e for e in got[rank] if e["what"] in ("raised", "done", "crashed")]
+        assert ends and ends[0]["what"] == "done", f"rank {rank}: {got[rank]}"
+        assert ends[0]["bad"] == [], f"rank {rank}: wrong results: {ends[0]['bad'][:10]}"
+    logs = "".join(open(os.path.join(tmp_path, f)).read() for f in os.listdir(tmp_path) if f.startswith("t3d.log"))
+    assert len(re.findall(r"comm '0' rank \d: two-level collectives, 2 hosts x 2 ranks", logs)) == 4, logs[-3000:]
+
+
 # ---------- ranks call different collectives ----------
 
 def _desync(rank: int, world: int, report) -> None:
@@ -191,6 +278,9 @@ def _desync(rank: int, world: int, report) -> None:
     x = torch.full((64,), float(rank + 1))
     dist.all_reduce(x)
     report("ready")
+    # Every rank finishes the agreed allreduce before the disagreement: a rank that finds it at once (the two-level
+    # path) breaks the group, and with it any earlier collective still running on a slower rank.
+    time.sleep(0.5)
     try:
         if rank == 0:
             dist.all_reduce(x)
@@ -207,8 +297,8 @@ def test_desync_across_hosts_raises_on_every_rank_within_seconds():
     """No debug switch, a two-minute group timeout: the ranks never take each other's messages (tags carry the
     operation); a rank whose wait lasts finds the other operation's message from a rank it awaits, says what each
     runs, and tells the others."""
-    with _netns.NetnsHosts(2) as hosts:
-        got = hosts.run(_desync, 2, seconds=90)
+    with _netns.NetnsHosts(2) as hosts:  # every rank over UCX (the two-level path: the next test)
+        got = hosts.run(_desync, 2, seconds=90, env={"T3D_HIER": "0"})
     ready = max(e["t"] for r in got for e in got[r] if e["what"] == "ready")
     call = r"t3d: (allreduce|broadcast) #2 on group '0' \(rank \d of 4\): rank \d runs (allreduce|broadcast) #2 where " \
            r"this rank runs (allreduce|broadcast) \(ranks disagree on the operation\)"
@@ -224,6 +314,23 @@ def test_desync_across_hosts_raises_on_every_rank_within_seconds():
         assert re.search(f"{own}|{told}", msg), f"rank {rank}: unexpected error text: {msg!r}"
     assert any(re.search(call, e["error"]) and "broke the group" not in e["error"]
                for r in got for e in got[r] if e["what"] == "raised"), "no rank found the desync itself"
+
+
+@pytest.mark.timeout(150)
+def test_desync_in_the_two_level_path_raises_on_every_rank_within_seconds():
+    """The same desync where allreduce and broadcast go in two levels: the ranks of a host find it in their
+    shared-memory part (its phases disagree), and tell the other host."""
+    with _netns.NetnsHosts(2) as hosts:
+        got = hosts.run(_desync, 2, seconds=90)
+    ready = max(e["t"] for r in got for e in got[r] if e["what"] == "ready")
+    for rank in range(4):
+        ends = [e for e in got[rank] if e["what"] in ("raised", "done", "crashed")]
+        assert ends and ends[0]["what"] == "raised", f"rank {rank} returned (wrong data?) or hung: {got[rank]}"
+        assert ends[0]["t"] - ready < 10, f"rank {rank} took {ends[0]['t'] - ready:.1f} s to fail"
+        msg = ends[0]["error"]
+        assert "(ranks disagree on the operation)" in msg, f"rank {rank}: unexpected error text: {msg!r}"
+        assert re.search(r"failed in its host's part, group '0/host', whose ranks 0\.\.1 are ranks "
+                         rf"{'0, 1' if rank < 2 else '2, 3'} here", msg) or "broke the group" in msg, msg
 
 
 @pytest.mark.timeout(150)
@@ -284,8 +391,8 @@ def test_bench_collectives_on_simulated_hosts(tmp_path):
     import sys
 
     cmd = [sys.executable, "-m", "t3d.bench", "collectives", "--hosts", "2", "--nproc", "2", "--ops",
-           "all_reduce,all_gather", "--min", "4K", "--max", "64K", "--backends", "t3d,gloo", "--out", str(tmp_path),
-           "--timeout", "150"]
+           "all_reduce,all_gather", "--min", "4K", "--max", "64K", "--backends", "t3d,t3d-flat,gloo", "--out",
+           str(tmp_path), "--timeout", "150"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=220, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     md = open(tmp_path / "collectives-2hosts-2ranks.md").read()
@@ -295,3 +402,4 @@ def test_bench_collectives_on_simulated_hosts(tmp_path):
         (op, str(n)) for op in ("all_reduce", "all_gather") for n in (4096, 16384, 65536)], md
     assert "WRONG" not in md and " - |" not in md.split("| op |")[1].split("\n", 2)[2], md
     assert re.search(r"^Link: \d+\.\d\d GB/s \(ucx_perftest", md, re.M), md
+    assert "| t3d-flat time (us) |" in md and "| t3d-flat / t3d | gloo / t3d | link floor / t3d |" in md, md

@@ -612,7 +612,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser("collectives", help="nccl-tests style collective benchmark, backends side by side",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--backends", default="t3d,gloo,mpi", help="comma list among t3d, gloo, mpi")
+    p.add_argument("--backends", default="t3d,gloo,mpi",
+                   help="comma list among t3d, gloo, mpi (--hosts: t3d, t3d-flat, gloo)")
     p.add_argument("--ops", default=",".join(OPS), help="comma list among " + ", ".join(OPS))
     p.add_argument("--min", default="8", help="smallest message (bytes; K/M/G suffixes)")
     p.add_argument("--max", default="256M", help="largest message")

@@ -1,9 +1,13 @@
 """`t3d-bench collectives --hosts H`: the collective benchmark on H simulated hosts (t3d.netns: network namespaces
 with their own host names, IPC and /dev/shm, joined by veth links to a bridge; root only), --nproc ranks on each.
 
-t3d and gloo run the same rows as on one host, over the same link, taking turns (--repeat); ucx_perftest (UCX's own
-tool, tag bandwidth between host 0 and host 1, UCX_TLS=tcp as for the ranks) measures what the link carries. The
-table gives each row's time and busbw per backend, gloo's time over t3d's, and t3d's busbw as a share of the link.
+t3d and gloo run the same rows as on one host, over the same link, taking turns (--repeat); `t3d-flat` is t3d with
+its two-level collectives off (T3D_HIER=0: every rank over UCX, also between ranks of one host). ucx_perftest (UCX's
+own tool, tag bandwidth between host 0 and host 1, UCX_TLS=tcp as for the ranks) measures what the link carries.
+The table gives each row's time and busbw per backend, each peer's time over t3d's, and the link's floor over
+t3d's time: the least time the bytes that must cross between hosts take at the link's bandwidth (for H hosts,
+size x 2(H-1)/H for all_reduce, (H-1)/H for all_gather and reduce_scatter, 1 for broadcast: nccl-tests' bus
+factors with hosts for ranks), i.e. the share of the link t3d's row uses.
 """
 
 from __future__ import annotations
@@ -38,10 +42,15 @@ def _netns_rank(rank: int, world: int, report) -> None:
     os._exit(0)  # past destroy_process_group: nothing left to wait for
 
 
+BACKENDS = ("t3d", "t3d-flat", "gloo")
+
+
 def run_backend(hosts: netns.NetnsHosts, backend: str, nproc: int, ops: list[str], sizes: list[int],
                 timeout: float) -> list[dict]:
-    env = {"T3D_BENCH_SPEC": json.dumps({"backend": backend, "ops": ops, "sizes": sizes}),
+    env = {"T3D_BENCH_SPEC": json.dumps({"backend": backend.split("-")[0], "ops": ops, "sizes": sizes}),
            "GLOO_SOCKET_IFNAME": "eth0"}
+    if backend == "t3d-flat":
+        env["T3D_HIER"] = "0"
     got = hosts.run(_netns_rank, nproc, env=env, seconds=timeout)
     for ev in got[0]:
         if ev["what"] == "rows":
@@ -82,24 +91,30 @@ def render(results: dict, world: int, hosts: int, link: float | None) -> str:
         lines.append(f"Link: {link / 1e9:.2f} GB/s (ucx_perftest tag_bw, 64 MiB messages, host 0 -> host 1).")
     else:
         lines.append("Link: not measured (ucx_perftest missing or failed).")
-    lines += ["", "| op | size | t3d time (us) | t3d busbw (GB/s) | gloo time (us) | gloo busbw (GB/s) | "
-              "gloo / t3d | t3d busbw / link |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    t3d = {(r["op"], r["bytes"]): r for r in results.get("t3d", [])}
-    gloo = {(r["op"], r["bytes"]): r for r in results.get("gloo", [])}
-    for key in sorted(set(t3d) | set(gloo), key=lambda k: (OPS.index(k[0]), k[1])):
+    names = [b for b in BACKENDS if b in results]
+    peers = [b for b in names if b != "t3d"]
+    tables = {b: {(r["op"], r["bytes"]): r for r in results[b]} for b in names}
+    head = ["op", "size"] + [f"{b} {what}" for b in names for what in ("time (us)", "busbw (GB/s)")]
+    head += [f"{b} / t3d" for b in peers] + ["link floor / t3d"]
+    lines += ["", "| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    keys = set().union(*tables.values()) if tables else set()
+    for key in sorted(keys, key=lambda k: (OPS.index(k[0]), k[1])):
         op, size = key
         cells = []
-        busbw = {}
-        for name, table in (("t3d", t3d), ("gloo", gloo)):
-            r = table.get(key)
+        for b in names:
+            r = tables[b].get(key)
             if r is None:
                 cells += ["-", "-"]
                 continue
-            busbw[name] = size / (r["time_us"] * 1e-6) * bus_factor(op, world) / 1e9
-            cells += [f"{r['time_us']:.1f}" + (" WRONG" if r["wrong"] else ""), f"{busbw[name]:.2f}"]
-        ratio = (f"{gloo[key]['time_us'] / t3d[key]['time_us']:.2f}" if key in t3d and key in gloo else "-")
-        share = f"{busbw['t3d'] * 1e9 / link:.0%}" if link and "t3d" in busbw else "-"
-        lines.append(f"| {op} | {size} | " + " | ".join(cells) + f" | {ratio} | {share} |")
+            busbw = size / (r["time_us"] * 1e-6) * bus_factor(op, world) / 1e9
+            cells += [f"{r['time_us']:.1f}" + (" WRONG" if r["wrong"] else ""), f"{busbw:.2f}"]
+        t3d = tables.get("t3d", {}).get(key)
+        for b in peers:
+            r = tables[b].get(key)
+            cells.append(f"{r['time_us'] / t3d['time_us']:.2f}" if r and t3d else "-")
+        floor_s = size * bus_factor(op, hosts) / link if link else None
+        cells.append(f"{floor_s / (t3d['time_us'] * 1e-6):.0%}" if floor_s and t3d else "-")
+        lines.append(f"| {op} | {size} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -113,7 +128,7 @@ def run(args) -> int:
         return 2
     ops = [o for o in args.ops.split(",") if o and o in OPS]
     sizes = sizes_between(parse_size(args.min), parse_size(args.max))
-    backends = [b for b in args.backends.split(",") if b in ("t3d", "gloo")]
+    backends = [b for b in args.backends.split(",") if b in BACKENDS]
     world = args.hosts * args.nproc
     runs: dict = {b: [] for b in backends}
     with netns.NetnsHosts(args.hosts) as hosts:
