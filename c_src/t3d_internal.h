@@ -90,6 +90,11 @@ typedef struct t3d_xfer {
 #define T3D_TAG_SRC_BITS 16
 #define T3D_TAG_STEP_BITS 20
 #define T3D_TAG_SRC_MASK 0xffffull
+#define T3D_TAG_STEP_MASK (0xfffffull << T3D_TAG_SRC_BITS)
+#define T3D_TAG_OP_SHIFT 58
+#define T3D_TAG_OP_MASK (0xfull << T3D_TAG_OP_SHIFT)
+/* The operation a collective's tag carries (its t3d_op_kind_t, 4 bits). */
+static inline int t3d__coll_tag_op(uint64_t tag) { return (int)((tag & T3D_TAG_OP_MASK) >> T3D_TAG_OP_SHIFT); }
 uint64_t t3d__coll_tag(int op, uint64_t seq, uint32_t step, int src);
 uint64_t t3d__p2p_tag(int64_t user_tag, int src);
 

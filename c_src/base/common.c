@@ -102,8 +102,9 @@ void t3d__log(int level, const char *file, int line, const char *fmt, ...) {
  * the other operation's messages instead (ucx/xfer.c, look_for_desync) and tells the others (base/watch.h).
  * P2P user tags get 30 bits: the 26 plus the top 4 step bits, which collectives of kind P2P never use. */
 uint64_t t3d__coll_tag(int op, uint64_t seq, uint32_t step, int src) {
-  return (T3D_TAG_KIND_COLL << 62) | ((uint64_t)(op & 0xf) << 58) | ((seq & 0x3fffffull) << 36) |
-         ((uint64_t)(step & 0xfffffu) << 16) | ((uint64_t)src & T3D_TAG_SRC_MASK);
+  return (T3D_TAG_KIND_COLL << 62) | (((uint64_t)op << T3D_TAG_OP_SHIFT) & T3D_TAG_OP_MASK) |
+         ((seq & 0x3fffffull) << 36) | (((uint64_t)step << T3D_TAG_SRC_BITS) & T3D_TAG_STEP_MASK) |
+         ((uint64_t)src & T3D_TAG_SRC_MASK);
 }
 
 uint64_t t3d__p2p_tag(int64_t user_tag, int src) {

@@ -32,11 +32,11 @@ static t3d_result_t look_for_desync(t3d_exec_t *ex, const t3d_xfer_t *xs, int n)
   for (int i = 0; i < n; i++) {
     if (!xs[i].is_recv || xs[i].peer < 0 || atomic_load_explicit(&xs[i].done, memory_order_acquire)) continue;
     uint64_t tag = t3d__coll_tag(0, ex->seq, 0, xs[i].peer), found = 0;
-    uint64_t mask = ~((0xfull << 58) | ((uint64_t)0xfffffu << 16)); /* any operation, any step */
-    if (!c->tp->peek(c->tp_state, tag, mask, &found) || (int)((found >> 58) & 0xf) == (ex->kind & 0xf)) continue;
+    uint64_t mask = ~(T3D_TAG_OP_MASK | T3D_TAG_STEP_MASK); /* any operation, any step */
+    if (!c->tp->peek(c->tp_state, tag, mask, &found) || t3d__coll_tag_op(found) == (ex->kind & 0xf)) continue;
     snprintf(ex->error, sizeof ex->error, "t3d: %s #%llu on group '%s' (rank %d of %d): rank %d runs %s #%llu where "
              "this rank runs %s (ranks disagree on the operation)", ex->opname, (unsigned long long)ex->seq, c->name,
-             c->rank, c->size, xs[i].peer, t3d__op_name((t3d_op_kind_t)((found >> 58) & 0xf)),
+             c->rank, c->size, xs[i].peer, t3d__op_name((t3d_op_kind_t)t3d__coll_tag_op(found)),
              (unsigned long long)ex->seq, ex->opname);
     return T3D_ERR_MISMATCH;
   }

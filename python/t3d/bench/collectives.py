@@ -726,18 +726,29 @@ def run(args) -> int:
             results[b] = median_rows(runs[b])
     if args.repeat > 1:
         results["_repeat"] = args.repeat
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    out = args.out or os.path.join(root, "docs", "benchmarks")
+    out = output_dir(args.out)
     md = render(results, n, B, skipped, _two_rank_beside(out, n))
     print(md)
-    os.makedirs(out, exist_ok=True)
-    stem = os.path.join(out, args.tag or f"collectives-{n}ranks")
-    with open(stem + ".json", "w") as f:
-        json.dump({"nproc": n, "copy_bandwidth": B, "skipped": skipped,
-                   "results": results, "command": " ".join(["t3d-bench", "collectives"] + sys.argv[2:])}, f,
-                  indent=1)
-    with open(stem + ".md", "w") as f:
-        f.write(md)
+    stem = save_run(out, args.tag or f"collectives-{n}ranks",
+                    {"nproc": n, "copy_bandwidth": B, "skipped": skipped, "results": results}, md)
     plot(results, n, stem + ".png")
     print(f"saved {stem}.json, .md, .png")
     return 0
+
+
+def output_dir(out: str | None) -> str:
+    """Where a run's files go: --out, by default the repository's docs/benchmarks."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    out = out or os.path.join(root, "docs", "benchmarks")
+    os.makedirs(out, exist_ok=True)
+    return out
+
+
+def save_run(out: str, tag: str, payload: dict, md: str) -> str:
+    """Writes <out>/<tag>.json (payload and the command that made it) and .md; returns the path without suffix."""
+    stem = os.path.join(out, tag)
+    with open(stem + ".json", "w") as f:
+        json.dump(dict(payload, command=" ".join(["t3d-bench", "collectives"] + sys.argv[2:])), f, indent=1)
+    with open(stem + ".md", "w") as f:
+        f.write(md)
+    return stem

@@ -21,7 +21,7 @@ import sys
 import time
 
 from .. import netns
-from .collectives import _rank_main, median_rows, parse_size, sizes_between
+from .collectives import _rank_main, median_rows, output_dir, parse_size, save_run, sizes_between
 from .opspec import OPS, bus_factor
 
 
@@ -141,15 +141,8 @@ def run(args) -> int:
     results = {b: median_rows(runs[b]) for b in backends if runs[b]}
     md = render(results, world, args.hosts, link)
     print(md)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    out = args.out or os.path.join(root, "docs", "benchmarks")
-    os.makedirs(out, exist_ok=True)
-    stem = os.path.join(out, args.tag or f"collectives-{args.hosts}hosts-{args.nproc}ranks")
-    with open(stem + ".json", "w") as f:
-        json.dump({"hosts": args.hosts, "nproc": args.nproc, "link_bytes_per_s": link, "results": results,
-                   "command": " ".join(["t3d-bench", "collectives"] + sys.argv[2:]),
-                   "when": time.strftime("%Y-%m-%d %H:%M")}, f, indent=1)
-    with open(stem + ".md", "w") as f:
-        f.write(md)
+    stem = save_run(output_dir(args.out), args.tag or f"collectives-{args.hosts}hosts-{args.nproc}ranks",
+                    {"hosts": args.hosts, "nproc": args.nproc, "link_bytes_per_s": link, "results": results,
+                     "when": time.strftime("%Y-%m-%d %H:%M")}, md)
     print(f"saved {stem}.json, .md")
     return 0
