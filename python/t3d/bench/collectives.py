@@ -1,12 +1,12 @@
 """`t3d-bench collectives`: nccl-tests style collective benchmark through torch.distributed, backends side by side.
 
 For each backend (t3d, gloo, and Open MPI through mpi4py when installed) N CPU processes run each op over a range of
-sizes and report time, algbw and busbw with nccl-tests' formulas, plus a correctness check. The same run measures
-the machine's memory-copy bandwidth and prints, for all_reduce, the bound busbw <= 2(n-1)/n * B/(3n+1) with
-B = read+write copy bandwidth (docs/benchmarks/README.md derives it), and torch's dispatch floor: the same all_reduce
-loop on a "fake" process group, which does no communication, timed in the same processes between t3d's batches.
-
-The markdown ends with issue #5's targets, judged from the run's own rows (docs/benchmarks/README.md).
+sizes and report time, algbw and busbw with nccl-tests' formulas, plus a correctness check. Every row is set against
+the best peer in the same run and against its floor: the op's least traffic (every input byte read once, every
+output byte written once) at B_all, the copy bandwidth of every core copying at once, measured in the same run
+(docs/benchmarks/README.md; no floor where the row's buffers fit in the caches). all_reduce rows also get torch's
+dispatch floor: the same loop on a "fake" process group, which does no communication, timed in the same processes
+between t3d's batches.
 
     t3d-bench collectives --nproc 2 [--backends t3d,gloo,mpi] [--ops all_reduce,...] [--min 8] [--max 256M]
     t3d-bench collectives --render docs/benchmarks/collectives-8ranks.json   (re-render a saved run)
@@ -125,6 +125,7 @@ def _max_over_ranks(x: float, dist, torch) -> float:
 # on a no-op "fake" process group in the same processes: the dispatch floor, measured under the same conditions
 # (this machine's speed drifts by tens of percent over seconds, and 8 processes share 2 cores).
 BATCHES = 5
+SMALL_MAX = 4 << 10  # all_reduce rows up to this size, with more ranks than cores, also time one switch per call
 
 
 def _timed(run, iters: int) -> float:
@@ -264,7 +265,7 @@ COPY_TEST_BYTES = 64 << 20  # each copy's source (well beyond the caches); its d
 
 def copy_bandwidth(threads: int = 1) -> float:
     """Read+write bytes per second of `threads` copies of 64 MiB, one per thread, all started at once (np.copyto is a
-    plain memcpy and runs without the GIL); best of 7. One thread: the physical reference B."""
+    plain memcpy and runs without the GIL); best of 7."""
     import threading
 
     import numpy as np
@@ -309,15 +310,6 @@ def human(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
-def traffic_factor(op: str, n: int) -> float:
-    """Bytes read plus bytes written by all ranks together, over S, in the least-traffic shared-memory scheme: each
-    byte is published once (read from the user buffer, written to the segment) and read once by each consumer into
-    its user buffer; a reduction reads each input once and writes its result once. docs/benchmarks/README.md
-    derives each; all_reduce keeps the issue's (3n+1), stricter than this accounting's 5n-2."""
-    return {"all_reduce": 3 * n + 1, "all_gather": 2 * (n + 1), "reduce_scatter": 3 * n - 1,
-            "all_to_all": 4 * n - 2, "broadcast": 2 * n, "send_recv": 4 * n}[op]
-
-
 def least_traffic_factor(op: str, n: int) -> float:
     """Bytes read plus bytes written, over S, that no scheme can go below, single copy from the owner's buffer
     included: every input byte is read once and every output byte written once (the destination of a copy from
@@ -343,31 +335,27 @@ def fastest_possible_us(op: str, n: int, size: int, B_all: float, cores: int) ->
     return least_traffic_factor(op, n) * size / B_all * 1e6
 
 
-def bound(op: str, n: int, B: float) -> float:
-    """Upper bound on busbw: algbw <= B / traffic_factor (time >= traffic / B), times nccl-tests' bus factor."""
-    return bus_factor(op, n) * B / traffic_factor(op, n)
-
-
-def allreduce_bound(n: int, B: float) -> float:
-    return bound("all_reduce", n, B)
-
-
-def render(results: dict, n: int, B: float, skipped: dict, two_rank: dict | None = None) -> str:
+def _header(results: dict, n: int, cores: int, skipped: dict) -> list[str]:
+    """The lines above the tables: the machine, the floor, the dispatch floors, how the loops are timed."""
     lines = [f"# t3d-bench collectives: {n} ranks",
              "",
-             f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
-             f"load average at start {results['_load']:.1f}. Copy bandwidth B (read+write, one thread): "
-             f"{B / 1e9:.1f} GB/s. all_reduce bound 2(n-1)/n * B/(3n+1) = {allreduce_bound(n, B) / 1e9:.2f} GB/s; "
-             "the other bounds: docs/benchmarks/README.md."]
-    if "_copy_all_cores" in results:
-        lines.append(f"Copy bandwidth with every core copying at once: {results['_copy_all_cores'] / 1e9:.1f} GB/s "
-                     "(the floor on any implementation's time in the targets table).")
-    if any("floor_us" in r for r in results.get("t3d", [])):
+             f"Machine: {platform.processor() or platform.machine()}, {cores} cores; "
+             f"load average at start {results['_load']:.1f}."]
+    B_all = results.get("_copy_all_cores")
+    if B_all:
+        lines.append("Floor: the row's least traffic (every input byte read once, every output byte written once) "
+                     f"at B_all = {B_all / 1e9:.1f} GB/s, the copy bandwidth of every core copying at once, measured "
+                     "in this run; 't3d at floor' is the floor over t3d's time. No floor where the row's buffers fit "
+                     "in the caches (docs/benchmarks/README.md).")
+    else:
+        lines.append("Floor: this run did not measure the all-core copy bandwidth B_all, so no row has one.")
+    t3d_rows = results.get("t3d", [])
+    if any("floor_us" in r for r in t3d_rows):
         lines.append("torch dispatch floor (all_reduce rows): the same loop body (dist.all_reduce) on a no-op "
                      "'fake' process group, timed in the same rank processes in batches interleaved with t3d's "
-                     "(slowest rank). 't3d - floor' is what t3d adds to it.")
-    if any("switch_floor_us" in r for r in results.get("t3d", [])):
-        lines.append("With more ranks than cores, 'floor, one switch per call' runs that no-op loop with one "
+                     "(slowest rank). 't3d - dispatch floor' is what t3d adds to it.")
+    if any("switch_floor_us" in r for r in t3d_rows):
+        lines.append("With more ranks than cores, 'dispatch floor, one switch per call' runs that no-op loop with one "
                      "os.sched_yield() after each call: a collective that needs every rank's input waits for ranks "
                      "that are not running, so each rank gives up its core about once per call, and this is what "
                      "that alone costs.")
@@ -378,207 +366,66 @@ def render(results: dict, n: int, B: float, skipped: dict, two_rank: dict | None
                      "the median of its runs (the JSON has every run's).")
     for name, why in skipped.items():
         lines.append(f"Skipped {name}: {why}")
+    return lines
+
+
+def _op_table(results: dict, op: str, n: int, cores: int) -> list[str]:
+    """One op's table: each backend's time and busbw, each peer's and the best peer's time over t3d's, the floor and
+    t3d's share of its speed, the all_reduce dispatch floors, the check."""
     backends = [b for b in results if not b.startswith("_")]
-    ops = sorted({r["op"] for b in backends for r in results[b]}, key=OPS.index)
-    for op in ops:
-        lines += ["", f"## {op}", ""]
-        head = "| size | " + " | ".join(f"{b} time (us) | {b} busbw (GB/s)" for b in backends)
-        if "t3d" in backends and len(backends) > 1:
-            head += " | " + " | ".join(f"t3d/{b}" for b in backends if b != "t3d")
-        head += " | bound (GB/s) | t3d % of bound"
-        with_floor = op == "all_reduce" and any("floor_us" in r for r in results.get("t3d", []))
-        with_switch = op == "all_reduce" and any("switch_floor_us" in r for r in results.get("t3d", []))
-        if with_floor:
-            head += " | floor (us) | t3d - floor (us)"
-        if with_switch:
-            head += " | floor, one switch per call (us)"
-        head += " | check |"
-        lines += [head, "|" + "---|" * (head.count("|") - 1)]
-        by = {b: {r["bytes"]: r for r in results[b] if r["op"] == op} for b in backends}
-        for size in sorted({s for b in backends for s in by[b]}):
-            cells, wrong = [human(size)], 0
-            for b in backends:
-                r = by[b].get(size)
-                if r is None:
-                    cells += ["-", "-"]
-                    continue
-                algbw = size / (r["time_us"] * 1e-6)
-                cells += [f"{r['time_us']:.1f}", f"{algbw * bus_factor(op, n) / 1e9:.3f}"]
-                wrong += r["wrong"]
-            if "t3d" in backends and len(backends) > 1:
-                for b in backends:
-                    if b == "t3d":
-                        continue
-                    a, o = by["t3d"].get(size), by[b].get(size)
-                    cells.append(f"{o['time_us'] / a['time_us']:.2f}x" if a and o else "-")
-            cells.append(f"{bound(op, n, B) / 1e9:.2f}")
-            a = by.get("t3d", {}).get(size)
-            cells.append(f"{100 * size / (a['time_us'] * 1e-6) * bus_factor(op, n) / bound(op, n, B):.0f}%"
-                         if a else "-")
-            if with_floor:
-                cells += [f"{a['floor_us']:.1f}", f"{a['time_us'] - a['floor_us']:.1f}"] if a else ["-", "-"]
-            if with_switch:
-                cells.append(f"{a['switch_floor_us']:.1f}" if a and "switch_floor_us" in a else "-")
-            cells.append("ok" if wrong == 0 else "WRONG")
-            lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "t3d/X is X's time over t3d's: above 1 means t3d is faster."]
-    if "t3d" in backends:
-        lines += targets(results, n, B, os.cpu_count() or 1, two_rank)
-    return "\n".join(lines) + "\n"
-
-
-SMALL_MAX = 4 << 10  # the issue's "small": 8 B to 4 KiB
-LARGE_MIN = 1 << 20  # its "1 MiB and above"
-
-
-def _rows(results: dict, backend: str, op: str) -> dict:
-    return {r["bytes"]: r for r in results.get(backend, []) if r["op"] == op}
-
-
-def _pct_of_bound(op: str, n: int, B: float, r: dict) -> float:
-    return 100 * r["bytes"] / (r["time_us"] * 1e-6) * bus_factor(op, n) / bound(op, n, B)
-
-
-def _verdict(bad: list[str], checked: int, what: str) -> tuple[str, str]:
-    if checked == 0:
-        return "not measured", "no such rows in this run"
-    return ("met", what) if not bad else ("not met", f"{len(bad)} of {checked} rows miss: " + "; ".join(bad))
-
-
-def _line(target: str, verdict: tuple[str, str]) -> str:
-    return f"| {target} | {verdict[0]} | {verdict[1]} |"
-
-
-def _two_rank_targets(results: dict, B: float, peers: list[str]) -> list[str]:
-    """64 MiB all_reduce against its bound and the best peer; small all_reduce against torch's floor and the peers."""
-    out = []
-    t3d_ar = _rows(results, "t3d", "all_reduce")
-    big = t3d_ar.get(64 << 20)
-    if big is None:
-        out.append(_line("all_reduce 64 MiB >= 70% of bound", ("not measured", "run up to --max 64M")))
-        out.append(_line("all_reduce 64 MiB >= 1.2x the best peer", ("not measured", "run up to --max 64M")))
-    else:
-        pct = _pct_of_bound("all_reduce", 2, B, big)
-        out.append(_line("all_reduce 64 MiB >= 70% of bound", ("met" if pct >= 70 else "not met", f"{pct:.0f}%")))
-        theirs = {b: _rows(results, b, "all_reduce").get(64 << 20) for b in peers}
-        times = {b: r["time_us"] / big["time_us"] for b, r in theirs.items() if r is not None}
-        if not times:
-            out.append(_line("all_reduce 64 MiB >= 1.2x the best peer", ("not measured", "no peer ran")))
-        else:
-            best = min(times, key=times.get)
-            out.append(_line("all_reduce 64 MiB >= 1.2x the best peer",
-                             ("met" if times[best] >= 1.2 else "not met", f"best peer {best}: {times[best]:.2f}x")))
-    small = {s: r for s, r in t3d_ar.items() if s <= SMALL_MAX}
-    added = {s: r["time_us"] - r["floor_us"] for s, r in sorted(small.items()) if "floor_us" in r}
-    bad = [f"{human(s)} {a:.1f} us" for s, a in added.items() if a > 5]
-    out.append(_line("all_reduce 8 B-4 KiB: t3d - torch's dispatch floor <= 5 us",
-                     _verdict(bad, len(added), f"{len(added)} rows, at most {max(added.values(), default=0):.1f} us")))
-    bad, checked = [], 0
-    for b in peers:
-        theirs = _rows(results, b, "all_reduce")
-        for s, r in sorted(small.items()):
-            if s in theirs:
-                checked += 1
-                if theirs[s]["time_us"] <= r["time_us"]:
-                    bad.append(f"{b} {human(s)} {theirs[s]['time_us']:.1f} us vs {r['time_us']:.1f} us")
-    floors = [r["floor_us"] for r in small.values() if "floor_us" in r]
-    verdict = _verdict(bad, checked, f"{checked} rows")
-    if bad and floors:  # a peer that is not called through torch.distributed skips the floor altogether
-        lo, hi = f"{min(floors):.1f}", f"{max(floors):.1f}"
-        floor = f"{lo} us" if lo == hi else f"{lo}-{hi} us"
-        verdict = (verdict[0], f"{verdict[1]} (torch's dispatch floor alone: {floor})")
-    out.append(_line("all_reduce 8 B-4 KiB faster than every peer", verdict))
-    return out
-
-
-def _gloo_times_targets(results: dict, n: int, cores: int, peers: list[str]) -> list[str]:
-    """Every op at least 5x gloo from 1 MiB: t3d's rows, then each other peer's by the same rule. A row t3d misses
-    is also set against the fastest any implementation could be (fastest_possible_us), where the run measured the
-    whole machine's copy bandwidth and the row's buffers are large enough for that floor to hold."""
-    gloo = {op: _rows(results, "gloo", op) for op in OPS}
+    peers = [b for b in backends if b != "t3d"] if "t3d" in backends else []
     B_all = results.get("_copy_all_cores")
-    out = []
-    for b in ["t3d"] + [p for p in peers if p != "gloo"]:
-        bad, beyond, checked = [], [], 0
-        for op in OPS:
-            for s, r in sorted(_rows(results, b, op).items()):
-                g = gloo[op].get(s)
-                if s >= LARGE_MIN and g is not None:
-                    checked += 1
-                    if g["time_us"] < 5 * r["time_us"]:
-                        bad.append(f"{op} {human(s)} {g['time_us'] / r['time_us']:.2f}x")
-                        least = fastest_possible_us(op, n, s, B_all, cores) if b == "t3d" and B_all else None
-                        if least is not None and g["time_us"] < 5 * least:
-                            beyond.append(f"{op} {human(s)} (gloo {g['time_us']:.0f} us; moving "
-                                          f"{least_traffic_factor(op, n):g}S takes >= {least:.0f} us, so at most "
-                                          f"{g['time_us'] / least:.2f}x)")
-        if b == "t3d":
-            verdict = _verdict(bad, checked, f"{checked} rows")
-            if beyond:
-                verdict = (verdict[0], f"{verdict[1]}. Beyond any implementation on this machine (least traffic at "
-                           f"the all-core copy bandwidth {B_all / 1e9:.1f} GB/s): " + "; ".join(beyond))
-            out.append(_line(f"{n} ranks on {cores} cores: every op >= 5x gloo from 1 MiB", verdict))
-        elif checked:
-            out.append(_line(f"(yardstick) {b} on the same rows >= 5x gloo", _verdict(bad, checked, f"{checked} rows")))
-    return out
+    t3d_rows = results.get("t3d", [])
+    with_dispatch = op == "all_reduce" and any("floor_us" in r for r in t3d_rows)
+    with_switch = op == "all_reduce" and any("switch_floor_us" in r for r in t3d_rows)
+    head = ["size"] + [f"{b} {what}" for b in backends for what in ("time (us)", "busbw (GB/s)")]
+    head += [f"{p} / t3d" for p in peers] + (["best peer / t3d"] if peers else []) + ["floor (us)"]
+    head += ["t3d at floor"] if "t3d" in backends else []
+    head += ["torch dispatch floor (us)", "t3d - dispatch floor (us)"] if with_dispatch else []
+    head += ["dispatch floor, one switch per call (us)"] if with_switch else []
+    head += ["check"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    by = {b: {r["bytes"]: r for r in results[b] if r["op"] == op} for b in backends}
+    for size in sorted({s for b in backends for s in by[b]}):
+        cells, wrong = [human(size)], 0
+        for b in backends:
+            r = by[b].get(size)
+            if r is None:
+                cells += ["-", "-"]
+                continue
+            cells += [f"{r['time_us']:.1f}", f"{size / (r['time_us'] * 1e-6) * bus_factor(op, n) / 1e9:.3f}"]
+            wrong += r["wrong"]
+        a = by.get("t3d", {}).get(size)
+        ratios = {p: by[p][size]["time_us"] / a["time_us"] for p in peers if a and size in by[p]}
+        cells += [f"{ratios[p]:.2f}x" if p in ratios else "-" for p in peers]
+        if peers:
+            best = min(ratios, key=ratios.get, default=None)
+            cells.append(f"{ratios[best]:.2f}x ({best})" if best is not None else "-")
+        floor = fastest_possible_us(op, n, size, B_all, cores) if B_all else None
+        cells.append(f"{floor:.0f}" if floor is not None else "-")
+        if "t3d" in backends:
+            cells.append(f"{100 * floor / a['time_us']:.0f}%" if floor is not None and a else "-")
+        if with_dispatch:
+            cells += [f"{a['floor_us']:.1f}", f"{a['time_us'] - a['floor_us']:.1f}"] if a else ["-", "-"]
+        if with_switch:
+            cells.append(f"{a['switch_floor_us']:.1f}" if a and "switch_floor_us" in a else "-")
+        cells.append("ok" if wrong == 0 else "WRONG")
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
-def _ten_times_targets(results: dict, n: int, peers: list[str], two_rank: dict | None) -> list[str]:
-    """Small sizes no worse than 10x the 2-rank time, for t3d and each peer other than gloo, with the switch floor."""
-    name = f"{n} ranks: small sizes <= 10x the 2-rank time"
-    if two_rank is None:
-        return [_line(name, ("not measured", "no 2-rank run beside this one"))]
-    out = []
-    for b in ["t3d"] + [p for p in peers if p != "gloo"]:
-        bad, checked = [], 0
-        for op in OPS:
-            theirs = _rows(two_rank, b, op)
-            for s, r in sorted(_rows(results, b, op).items()):
-                if s <= SMALL_MAX and s in theirs:
-                    checked += 1
-                    if r["time_us"] > 10 * theirs[s]["time_us"]:
-                        bad.append(f"{op} {human(s)} {r['time_us'] / theirs[s]['time_us']:.1f}x")
-        verdict = _verdict(bad, checked, f"{checked} rows")
-        if b != "t3d":
-            out.append(_line(f"(yardstick) {b}: {name}", verdict))
-            continue
-        two_ar = _rows(two_rank, "t3d", "all_reduce")
-        ratios = [r["switch_floor_us"] / two_ar[s]["time_us"] for s, r in _rows(results, "t3d", "all_reduce").items()
-                  if "switch_floor_us" in r and s in two_ar]
-        if ratios:
-            verdict = (verdict[0], f"{verdict[1]}; torch's no-op backend with one switch per call alone takes "
-                       f"{min(ratios):.1f}-{max(ratios):.1f}x t3d's 2-rank all_reduce time")
-        out.append(_line(name, verdict))
-    return out
-
-
-def _bound_targets(results: dict, n: int, B: float) -> list[str]:
-    bad, checked = [], 0
-    for op in ("all_gather", "reduce_scatter", "all_to_all", "broadcast"):
-        for s, r in sorted(_rows(results, "t3d", op).items()):
-            if s >= LARGE_MIN:
-                checked += 1
-                if _pct_of_bound(op, n, B, r) < 70:
-                    bad.append(f"{op} {human(s)} {_pct_of_bound(op, n, B, r):.0f}%")
-    return [_line("all_gather, reduce_scatter, all_to_all, broadcast >= 70% of their bounds from 1 MiB",
-                  _verdict(bad, checked, f"{checked} rows"))]
-
-
-def targets(results: dict, n: int, B: float, cores: int, two_rank: dict | None = None) -> list[str]:
-    """Issue #5's targets, judged on this run's rows only (a target whose rows were not run says so). two_rank: the
-    results of a 2-rank run, for "small sizes no worse than 10x the 2-rank latency". Where a peer's own rows bear
-    on a target (its ratio to gloo, its own 2-rank time), they are judged by the same rule beside t3d's, as the
-    yardstick of what this machine allows."""
-    peers = [b for b in results if not b.startswith("_") and b != "t3d"]
-    rows = []
-    if n == 2:
-        rows += _two_rank_targets(results, B, peers)
-    if n > cores:
-        rows += _gloo_times_targets(results, n, cores, peers) + _ten_times_targets(results, n, peers, two_rank)
-    rows += _bound_targets(results, n, B)
-    return ["", "## Issue #5's targets in this run", "",
-            "Judged from the rows above (C-level targets: `t3d_bench_c`). 'yardstick' rows apply a target to a peer.",
-            "", "| target | verdict | detail |", "|---|---|---|"] + rows
+def render(results: dict, n: int, skipped: dict) -> str:
+    """The run's markdown: the header, then one table per op. results["_cores"] (the measuring machine's cores; this
+    machine's where a saved run lacks it) decides which rows are too small to have a floor."""
+    cores = results.get("_cores") or os.cpu_count() or 1
+    lines = _header(results, n, cores, skipped)
+    backends = [b for b in results if not b.startswith("_")]
+    for op in sorted({r["op"] for b in backends for r in results[b]}, key=OPS.index):
+        lines += ["", f"## {op}", ""] + _op_table(results, op, n, cores)
+    if "t3d" in backends and len(backends) > 1:
+        lines += ["", "X / t3d is X's time over t3d's: above 1 means t3d is faster. best peer / t3d: the fastest "
+                      "peer's time over t3d's, with that peer's name."]
+    return "\n".join(lines) + "\n"
 
 
 def plot(results: dict, n: int, path: str) -> None:
@@ -629,21 +476,11 @@ def add_parser(sub) -> None:
                    help="run nothing: rewrite the markdown (and PNG) of a saved run's JSON beside it")
 
 
-def _two_rank_beside(directory: str, n: int) -> dict | None:
-    """The results of the 2-rank run saved in the same directory, for the 10x-the-2-rank-time target."""
-    path = os.path.join(directory, "collectives-2ranks.json")
-    if n <= 2 or not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return json.load(f)["results"]
-
-
 def _rerender(path: str) -> int:
     with open(path) as f:
         data = json.load(f)
     n, stem = data["nproc"], os.path.splitext(path)[0]
-    md = render(data["results"], n, data["copy_bandwidth"], data["skipped"],
-                _two_rank_beside(os.path.dirname(os.path.abspath(path)), n))
+    md = render(data["results"], n, data.get("skipped", {}))
     with open(stem + ".md", "w") as f:
         f.write(md)
     plot(data["results"], n, stem + ".png")
@@ -690,8 +527,9 @@ def run(args) -> int:
     sizes = sizes_between(parse_size(args.min), parse_size(args.max))
     results: dict = {"_load": os.getloadavg()[0]}
     skipped: dict = {}
-    B = copy_bandwidth()
+    B = copy_bandwidth()  # one thread's: recorded beside the run, not a yardstick
     results["_copy_all_cores"] = copy_bandwidth_all_cores()
+    results["_cores"] = os.cpu_count() or 1
     print(f"copy bandwidth B = {B / 1e9:.1f} GB/s (read+write, one thread), "
           f"{results['_copy_all_cores'] / 1e9:.1f} GB/s with every core copying; load {results['_load']:.1f}",
           flush=True)
@@ -727,7 +565,7 @@ def run(args) -> int:
     if args.repeat > 1:
         results["_repeat"] = args.repeat
     out = output_dir(args.out)
-    md = render(results, n, B, skipped, _two_rank_beside(out, n))
+    md = render(results, n, skipped)
     print(md)
     stem = save_run(out, args.tag or f"collectives-{n}ranks",
                     {"nproc": n, "copy_bandwidth": B, "skipped": skipped, "results": results}, md)
