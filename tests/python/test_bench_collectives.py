@@ -84,12 +84,12 @@ def test_rows_are_set_against_the_floor_and_the_best_peer():
     mib64 = 64 << 20
     B_all = 10e9
     floor_us = 2 * 2 * mib64 / B_all * 1e6  # all_reduce, 2 ranks: 2n * S read + written at B_all
-    # one core: the 2 x 64 MiB of buffers are as large as the copy test's, so beyond the caches
+    # the 2 x 64 MiB of buffers are beyond one copy test (64 MiB), so beyond the caches
     res = {"_load": 0.0, "_copy_all_cores": B_all, "_cores": 1,
            "t3d": [_row("all_reduce", mib64, 2 * floor_us, floor_us=50.0), _row("all_reduce", 8, 5.0, floor_us=4.0)],
            "gloo": [_row("all_reduce", mib64, 8 * floor_us), _row("all_reduce", 8, 400.0)],
            "mpi": [_row("all_reduce", mib64, 2.7 * floor_us), _row("all_reduce", 8, 1.0)]}
-    assert bc.fastest_possible_us("all_reduce", 2, mib64, B_all, cores=1) == pytest.approx(floor_us)
+    assert bc.fastest_possible_us("all_reduce", 2, mib64, B_all) == pytest.approx(floor_us)
     md = bc.render(res, 2, {})
     rows = _table(md, "all_reduce")
     big, small = rows["64 MiB"], rows["8 B"]
@@ -116,9 +116,11 @@ def test_the_switch_floor_has_its_own_column():
 def test_a_floor_needs_buffers_beyond_the_caches():
     mib = 1 << 20
     # all_to_all 16 MiB, 8 ranks: at least 2n * S = 256 MiB read + written, 13.4 ms at 20 GB/s.
-    assert bc.fastest_possible_us("all_to_all", 8, 16 * mib, 20e9, cores=2) == pytest.approx(16 * 16 * mib / 20e3)
-    # 1 MiB: 16 MiB of buffers, less than the copy test's 256 MiB on 2 cores, where caches may beat its bandwidth.
-    assert bc.fastest_possible_us("all_to_all", 8, mib, 20e9, cores=2) is None
+    assert bc.fastest_possible_us("all_to_all", 8, 16 * mib, 20e9) == pytest.approx(16 * 16 * mib / 20e3)
+    # all_reduce 64 MiB, 2 ranks: 128 MiB of buffers (in place), beyond one copy test's 64 MiB: 4S at 20 GB/s.
+    assert bc.fastest_possible_us("all_reduce", 2, 64 * mib, 20e9) == pytest.approx(4 * 64 * mib / 20e3)
+    # 1 MiB: 16 MiB of buffers, less than one copy test's 64 MiB, where caches may beat its bandwidth.
+    assert bc.fastest_possible_us("all_to_all", 8, mib, 20e9) is None
 
 
 def test_repeated_runs_report_each_rows_median_and_any_wrong_result():

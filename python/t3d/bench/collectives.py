@@ -327,10 +327,11 @@ def working_set_factor(op: str, n: int) -> float:
     return n if op == "all_reduce" else least_traffic_factor(op, n)
 
 
-def fastest_possible_us(op: str, n: int, size: int, B_all: float, cores: int) -> float | None:
+def fastest_possible_us(op: str, n: int, size: int, B_all: float) -> float | None:
     """A floor on any implementation's time for this row: its least traffic at the whole machine's copy bandwidth.
-    None where the row's buffers are smaller than the copy test's (then caches can beat B_all, and it is no floor)."""
-    if working_set_factor(op, n) * size < 2 * COPY_TEST_BYTES * cores:
+    None where all ranks' buffers together are smaller than one copy of the copy test (64 MiB): those may be served
+    from the caches faster than B_all, so it is no floor for them."""
+    if working_set_factor(op, n) * size < COPY_TEST_BYTES:
         return None
     return least_traffic_factor(op, n) * size / B_all * 1e6
 
@@ -369,7 +370,7 @@ def _header(results: dict, n: int, cores: int, skipped: dict) -> list[str]:
     return lines
 
 
-def _op_table(results: dict, op: str, n: int, cores: int) -> list[str]:
+def _op_table(results: dict, op: str, n: int) -> list[str]:
     """One op's table: each backend's time and busbw, each peer's and the best peer's time over t3d's, the floor and
     t3d's share of its speed, the all_reduce dispatch floors, the check."""
     backends = [b for b in results if not b.startswith("_")]
@@ -401,7 +402,7 @@ def _op_table(results: dict, op: str, n: int, cores: int) -> list[str]:
         if peers:
             best = min(ratios, key=ratios.get, default=None)
             cells.append(f"{ratios[best]:.2f}x ({best})" if best is not None else "-")
-        floor = fastest_possible_us(op, n, size, B_all, cores) if B_all else None
+        floor = fastest_possible_us(op, n, size, B_all) if B_all else None
         cells.append(f"{floor:.0f}" if floor is not None else "-")
         if "t3d" in backends:
             cells.append(f"{100 * floor / a['time_us']:.0f}%" if floor is not None and a else "-")
@@ -415,13 +416,13 @@ def _op_table(results: dict, op: str, n: int, cores: int) -> list[str]:
 
 
 def render(results: dict, n: int, skipped: dict) -> str:
-    """The run's markdown: the header, then one table per op. results["_cores"] (the measuring machine's cores; this
-    machine's where a saved run lacks it) decides which rows are too small to have a floor."""
+    """The run's markdown: the header, then one table per op. results["_cores"]: the measuring machine's cores (this
+    machine's where a saved run lacks it)."""
     cores = results.get("_cores") or os.cpu_count() or 1
     lines = _header(results, n, cores, skipped)
     backends = [b for b in results if not b.startswith("_")]
     for op in sorted({r["op"] for b in backends for r in results[b]}, key=OPS.index):
-        lines += ["", f"## {op}", ""] + _op_table(results, op, n, cores)
+        lines += ["", f"## {op}", ""] + _op_table(results, op, n)
     if "t3d" in backends and len(backends) > 1:
         lines += ["", "X / t3d is X's time over t3d's: above 1 means t3d is faster. best peer / t3d: the fastest "
                       "peer's time over t3d's, with that peer's name."]
