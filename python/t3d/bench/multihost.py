@@ -91,6 +91,10 @@ def render(results: dict, world: int, hosts: int, link: float | None) -> str:
         lines.append(f"Link: {link / 1e9:.2f} GB/s (ucx_perftest tag_bw, 64 MiB messages, host 0 -> host 1).")
     else:
         lines.append("Link: not measured (ucx_perftest missing or failed).")
+    lines.append("'t3d-flat': t3d with its two levels off (T3D_HIER=0). 'X / t3d': X's time over t3d's. 'link floor / "
+                 "t3d': the least time the bytes that must cross between hosts take at the link's bandwidth (size x "
+                 "2(H-1)/H for all_reduce, (H-1)/H for all_gather and reduce_scatter, 1 for broadcast), over t3d's "
+                 "time.")
     names = [b for b in BACKENDS if b in results]
     peers = [b for b in names if b != "t3d"]
     tables = {b: {(r["op"], r["bytes"]): r for r in results[b]} for b in names}
