@@ -401,5 +401,6 @@ def test_bench_collectives_on_simulated_hosts(tmp_path):
     assert [(r.split("|")[1].strip(), r.split("|")[2].strip()) for r in rows] == [
         (op, str(n)) for op in ("all_reduce", "all_gather") for n in (4096, 16384, 65536)], md
     assert "WRONG" not in md and " - |" not in md.split("| op |")[1].split("\n", 2)[2], md
-    assert re.search(r"^Link: \d+\.\d\d GB/s \(ucx_perftest", md, re.M), md
+    assert re.search(r"^Link: \d+\.\d\d GB/s one way \(ucx_perftest.*; \d+\.\d\d GB/s each way when both directions "
+                     r"carry at once", md, re.M), md
     assert "| t3d-flat time (us) |" in md and "| t3d-flat / t3d | gloo / t3d | link floor / t3d |" in md, md

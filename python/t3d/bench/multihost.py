@@ -59,42 +59,57 @@ def run_backend(hosts: netns.NetnsHosts, backend: str, nproc: int, ops: list[str
     raise RuntimeError(f"backend {backend}: no result within {timeout:.0f} s: {bad}")
 
 
-def link_bandwidth(hosts: netns.NetnsHosts, size: int, iters: int = 20) -> float | None:
-    """Bytes/s that ucx_perftest's tag_bw moves from host 0 to host 1 in messages of `size` bytes, or None."""
+def _perftest_rate(out: str) -> float | None:
+    m = re.search(r"^Final:\s+(\d+)\s+\S+\s+\S+\s+\S+\s+\S+\s+(\S+)", out, re.M)
+    return float(m.group(2)) * (1 << 20) if m else None  # its MB/s are 2^20 bytes per second
+
+
+def link_bandwidth(hosts: netns.NetnsHosts, size: int, both_ways: bool = False, iters: int = 20) -> float | None:
+    """Bytes/s that ucx_perftest's tag_bw moves between host 0 and host 1 in messages of `size` bytes: from host 0 to
+    host 1, or with `both_ways` the mean of the two directions while both carry at once (two pairs of the tool); None
+    when the tool is missing or failed."""
     tool = shutil.which("ucx_perftest")
     if tool is None:
         return None
-    port = 13000 + os.getpid() % 2000
+    base = 13000 + os.getpid() % 2000
     env = dict(os.environ, UCX_TLS="tcp")
-    server = hosts.exec(1, [tool, "-t", "tag_bw", "-s", str(size), "-n", str(iters), "-p", str(port)], env=env,
-                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    pairs = [(0, 1, base), (1, 0, base + 1)] if both_ways else [(0, 1, base)]
+    args = ["-t", "tag_bw", "-s", str(size), "-n", str(iters)]
+    servers = [hosts.exec(dst, [tool] + args + ["-p", str(port)], env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True) for _, dst, port in pairs]
     try:
-        out = ""
-        for _ in range(20):  # the server needs a moment to listen
+        for _ in range(20):  # the servers need a moment to listen
             time.sleep(0.5)
-            client = hosts.exec(0, [tool, hosts.addr[1], "-t", "tag_bw", "-s", str(size), "-n", str(iters), "-p",
-                                    str(port)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            out = client.communicate(timeout=120)[0]
-            if "Final:" in out:
-                break
-        m = re.search(r"^Final:\s+(\d+)\s+\S+\s+\S+\s+\S+\s+\S+\s+(\S+)", out, re.M)
-        return float(m.group(2)) * (1 << 20) if m else None  # its MB/s are 2^20 bytes per second
+            clients = [hosts.exec(src, [tool, hosts.addr[dst]] + args + ["-p", str(port)], env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                       for src, dst, port in pairs]
+            rates = [_perftest_rate(c.communicate(timeout=120)[0]) for c in clients]
+            if all(r is not None for r in rates):
+                return sum(rates) / len(rates)
+            if any(r is not None for r in rates):
+                return None  # one side ran without the other: not a both-ways figure
+        return None
     finally:
-        server.kill()
-        server.wait()
+        for server in servers:
+            server.kill()
+            server.wait()
 
 
-def render(results: dict, world: int, hosts: int, link: float | None) -> str:
+def render(results: dict, world: int, hosts: int, link: float | None, duplex: float | None = None) -> str:
     lines = [f"# t3d-bench collectives on {hosts} simulated hosts x {world // hosts} ranks (UCX over TCP between "
              f"hosts; veth link)", ""]
     if link:
-        lines.append(f"Link: {link / 1e9:.2f} GB/s (ucx_perftest tag_bw, 64 MiB messages, host 0 -> host 1).")
+        lines.append(f"Link: {link / 1e9:.2f} GB/s one way (ucx_perftest tag_bw, 64 MiB messages, host 0 -> host 1)"
+                     + (f"; {duplex / 1e9:.2f} GB/s each way when both directions carry at once (two pairs of the "
+                        "tool; on simulated hosts the link's copies run on the same cores as the ranks and the tool's "
+                        "busy-polling, so this is what the link gives both ways here, not a floor)."
+                        if duplex else "."))
     else:
         lines.append("Link: not measured (ucx_perftest missing or failed).")
     lines.append("'t3d-flat': t3d with its two levels off (T3D_HIER=0). 'X / t3d': X's time over t3d's. 'link floor / "
-                 "t3d': the least time the bytes that must cross between hosts take at the link's bandwidth (size x "
-                 "2(H-1)/H for all_reduce, (H-1)/H for all_gather and reduce_scatter, 1 for broadcast), over t3d's "
-                 "time.")
+                 "t3d': the least time the bytes that must cross between hosts take at the link's one-way bandwidth "
+                 "(size x 2(H-1)/H for all_reduce, (H-1)/H for all_gather and reduce_scatter, 1 for broadcast), over "
+                 "t3d's time.")
     names = [b for b in BACKENDS if b in results]
     peers = [b for b in names if b != "t3d"]
     tables = {b: {(r["op"], r["bytes"]): r for r in results[b]} for b in names}
@@ -137,16 +152,18 @@ def run(args) -> int:
     runs: dict = {b: [] for b in backends}
     with netns.NetnsHosts(args.hosts) as hosts:
         link = link_bandwidth(hosts, 64 << 20)
+        duplex = link_bandwidth(hosts, 64 << 20, both_ways=True)
         for rep in range(max(1, args.repeat)):
             for b in backends:
                 t0 = time.time()
                 runs[b].append(run_backend(hosts, b, args.nproc, ops, sizes, args.timeout))
                 print(f"{b}: {len(runs[b][-1])} rows in {time.time() - t0:.0f} s (run {rep + 1})", flush=True)
     results = {b: median_rows(runs[b]) for b in backends if runs[b]}
-    md = render(results, world, args.hosts, link)
+    md = render(results, world, args.hosts, link, duplex)
     print(md)
     stem = save_run(output_dir(args.out), args.tag or f"collectives-{args.hosts}hosts-{args.nproc}ranks",
-                    {"hosts": args.hosts, "nproc": args.nproc, "link_bytes_per_s": link, "results": results,
+                    {"hosts": args.hosts, "nproc": args.nproc, "link_bytes_per_s": link,
+                     "link_both_ways_bytes_per_s": duplex, "results": results,
                      "when": time.strftime("%Y-%m-%d %H:%M")}, md)
     print(f"saved {stem}.json, .md")
     return 0
