@@ -9,6 +9,7 @@
 #include <limits.h>
 #include <signal.h>
 #include <linux/futex.h>
+#include <sched.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/syscall.h>
@@ -137,6 +138,12 @@ static t3d_result_t check_peers(t3d_shm_t *s, t3d_exec_t *ex, int lo, int hi, ui
   uint64_t f = atomic_load_explicit(&h->failed, memory_order_acquire);
   if (f != 0 && f != (uint64_t)s->rank + 1) {
     int ready = atomic_load_explicit(&h->failed_ready, memory_order_acquire) != 0;
+    /* The reporter writes its text right after it claims the word: wait for it a little (the reporter may have died
+     * in between, hence the bound). */
+    for (uint64_t until = t3d__now_ns() + 100000000ull; !ready && t3d__now_ns() < until;) {
+      sched_yield();
+      ready = atomic_load_explicit(&h->failed_ready, memory_order_acquire) != 0;
+    }
     int n = snprintf(ex->error, sizeof ex->error, "t3d: %s #%llu on group '%s' (rank %d of %d) failed: rank %d broke "
                      "the group: ", ex->opname, (unsigned long long)ex->seq, ex->comm->name, ex->rank, ex->size,
                      (int)(f - 1));
