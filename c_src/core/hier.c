@@ -1,20 +1,19 @@
 /* hier.c: collectives of a group that spans hosts with as many ranks on every host (two or more hosts, two or more
  * ranks on each), in two levels: shared memory inside each host, the UCX algorithms between hosts. At init each
  * rank joins a child communicator of the ranks on its host (made by comm.c; it gets a segment, so the shared-memory
- * provider serves it), and learns its lane: the ranks that hold its place (local index) on every host. An allreduce then is
- *   1. a reduce-scatter in the host (shared memory): local rank i holds the host's sum of block i,
- *   2. an allreduce of block i along lane i (UCX, on this communicator's transport, the lane's ranks only),
- *   3. an allgather in the host (shared memory).
- * Each byte of the vector crosses the network once each way per lane, where a flat ring over all ranks sends it
- * 2(n-1)/n times from every rank (hosts x ranks), also between ranks of one host. A broadcast goes along the
- * root's lane (UCX: one message per other host instead of a tree over all ranks), then in each host from the rank
- * that got it (shared memory). An allgather gathers the host's blocks (shared memory), exchanges this rank's block
- * along its lane (UCX), then passes the blocks that came along the lanes round the host, one host's at a time. A
- * reduce-scatter, where each host's ranks are numbered consecutively, reduce-scatters each host's part of the input
- * in the host (shared memory), then reduce-scatters those partial blocks along the lane (UCX). The levels run one
- * after the
- * other on the progress thread of this communicator; the child's own progress thread never runs anything.
- * The child is this module's alone: its sequence numbers (kind words in its segment) count the phases run here. */
+ * provider serves it), and learns its lane: the ranks that hold its place (local index) on every host.
+ * - allreduce: a reduce-scatter in the host (local rank i holds the host's sum of block i), an allreduce of block i
+ *   along lane i (UCX, on this communicator's transport, the lane's ranks only), an allgather in the host. Each byte
+ *   crosses the network once each way per lane, where a flat ring over all ranks sends 2(n-1)/n of the vector from
+ *   every rank (hosts x ranks), also between ranks of one host.
+ * - broadcast: along the root's lane (one message per other host), then in each host from the rank that got it.
+ * - allgather: the host's blocks in the host, this rank's block along its lane, then the blocks that came along the
+ *   lanes round the host, one other host's at a time.
+ * - reduce_scatter (each host's ranks numbered consecutively): each host's part of the input reduce-scattered in
+ *   the host, then those partial blocks reduce-scattered along the lane.
+ * The levels run one after the other on this communicator's progress thread; the child's own progress thread never
+ * runs anything. The child is this module's alone: its sequence numbers (kind words in its segment) count the
+ * phases run here. */
 #include "engine.h" /* the provider tables and t3d_hier_t's functions; this file calls no other part of core/ */
 
 #include <stdio.h>
