@@ -98,6 +98,17 @@ static inline int t3d__coll_tag_op(uint64_t tag) { return (int)((tag & T3D_TAG_O
 uint64_t t3d__coll_tag(int op, uint64_t seq, uint32_t step, int src);
 uint64_t t3d__p2p_tag(int64_t user_tag, int src);
 
+/* Even split of count elements into n blocks, the first count % n one element longer (the UCX algorithms, and the
+ * blocks of the two levels across hosts). */
+static inline void t3d__algo_split(size_t count, int n, size_t *counts, size_t *offs) {
+  size_t q = count / (size_t)n, rem = count % (size_t)n, off = 0;
+  for (int c = 0; c < n; c++) {
+    counts[c] = q + ((size_t)c < rem ? 1 : 0);
+    offs[c] = off;
+    off += counts[c];
+  }
+}
+
 typedef struct t3d_transport {
   const char *name;
   /* Creates the endpoints to every peer, exchanging addresses through the store. Runs on the caller's thread. */

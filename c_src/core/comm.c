@@ -40,27 +40,44 @@ static t3d_result_t pick_transport(t3d_comm_t *comm, const char *want) {
                         "build has: %s", want, comm->rank, T3D_HAVE_UCX ? "auto, ucx, shm" : "auto, shm");
 }
 
-/* Without UCX even a group of one takes the segment: its sends to itself need the segment's point-to-point. */
-static t3d_result_t setup_shm(t3d_comm_t *comm, const char *want) {
-  if (strcmp(want, "ucx") == 0 || (comm->size == 1 && T3D_HAVE_UCX)) return T3D_OK;
+/* Publishes this rank's host identity (store key host/<rank>) and numbers every rank's host, hosts in the order of
+ * their lowest rank: host[p] for each rank p, *nhosts of them. */
+static t3d_result_t number_hosts(t3d_comm_t *comm, int *host, int *nhosts) {
   char mine[400], key[32];
   t3d__host_identity(mine, sizeof mine);
   snprintf(key, sizeof key, "host/%d", comm->rank);
   T3D_CHECK(t3d__store_set(comm, key, mine, strlen(mine) + 1));
-  int same = 1, other = -1;
-  for (int p = 0; p < comm->size && same; p++) {
-    if (p == comm->rank) continue;
-    void *v = NULL;
+  char **ids = calloc((size_t)comm->size, sizeof *ids);
+  if (ids == NULL) return T3D_ERR_NO_MEMORY;
+  t3d_result_t res = T3D_OK;
+  *nhosts = 0;
+  for (int p = 0; p < comm->size && res == T3D_OK; p++) {
     size_t len = 0;
     snprintf(key, sizeof key, "host/%d", p);
-    T3D_CHECK(t3d__store_get(comm, key, &v, &len));
-    if (len != strlen(mine) + 1 || memcmp(v, mine, len) != 0) {
-      same = 0;
-      other = p;
+    res = p == comm->rank ? ((ids[p] = strdup(mine)) ? T3D_OK : T3D_ERR_NO_MEMORY)
+                          : t3d__store_get(comm, key, (void **)&ids[p], &len);
+    if (res != T3D_OK) break;
+    host[p] = -1;
+    for (int q = 0; q < p && host[p] < 0; q++) {
+      if (strcmp(ids[q], ids[p]) == 0) host[p] = host[q];
     }
-    free(v);
+    if (host[p] < 0) host[p] = (*nhosts)++;
   }
-  if (same) {
+  for (int p = 0; p < comm->size; p++) free(ids[p]);
+  free(ids);
+  return res;
+}
+
+/* Without UCX even a group of one takes the segment: its sends to itself need the segment's point-to-point. Fills
+ * host[] and *nhosts (number_hosts) where it looked; *nhosts stays 0 where it did not. */
+static t3d_result_t setup_shm(t3d_comm_t *comm, const char *want, int *host, int *nhosts) {
+  if (strcmp(want, "ucx") == 0 || (comm->size == 1 && T3D_HAVE_UCX)) return T3D_OK;
+  T3D_CHECK(number_hosts(comm, host, nhosts));
+  int other = -1;
+  for (int p = 0; p < comm->size && other < 0; p++) {
+    if (host[p] != host[comm->rank]) other = p;
+  }
+  if (other < 0) {
     t3d__backoff_note_ranks(comm->size); /* first: the segment's waiters follow it */
     t3d_result_t res = t3d__shm_init(comm, &comm->shm);
     if (res == T3D_OK) res = t3d__shm_p2p_attach(comm, comm->shm, &comm->shm_p2p);
@@ -96,10 +113,10 @@ static t3d_result_t setup_shm(t3d_comm_t *comm, const char *want) {
 }
 
 /* Across hosts with as many ranks on each (core/hier.c): the child communicator of this host's ranks. */
-static t3d_result_t setup_hier(t3d_comm_t *comm) {
+static t3d_result_t setup_hier(t3d_comm_t *comm, const int *host, int nhosts) {
   int local_rank = 0, local_size = 0;
   t3d_result_t res = T3D_OK;
-  t3d_hier_t *h = t3d__hier_layout(comm, &local_rank, &local_size, &res);
+  t3d_hier_t *h = t3d__hier_layout(comm, host, nhosts, &local_rank, &local_size, &res);
   if (h == NULL) return res;
   t3d_config_t c;
   t3d_config_init(&c);
@@ -171,9 +188,11 @@ t3d_result_t t3d_comm_init(t3d_comm_t **out, int rank, int size, const t3d_store
   const char *want = cfg->transport ? cfg->transport : t3d__param_str(T3D_PARAM_TRANSPORT);
   snprintf(comm->transport, sizeof comm->transport, "%s", want);
   t3d_result_t res = pick_transport(comm, want);
+  int nhosts = 0, *host = malloc(sizeof(int) * (size_t)size); /* each rank's host: setup_shm, then setup_hier */
+  if (res == T3D_OK && host == NULL) res = T3D_ERR_NO_MEMORY;
   if (res == T3D_OK) res = comm->tp->init(comm, &comm->tp_state);
   if (res == T3D_OK) {
-    res = setup_shm(comm, want);
+    res = setup_shm(comm, want, host, &nhosts);
     if (res != T3D_OK) comm->tp->fini(comm->tp_state);
   }
   /* Groups without the segment's own liveness (shm/sync.c) are watched over sockets. */
@@ -182,13 +201,14 @@ t3d_result_t t3d_comm_init(t3d_comm_t **out, int rank, int size, const t3d_store
     if (res != T3D_OK) comm->tp->fini(comm->tp_state);
   }
   /* Across hosts, over the default transport: a group of this host's ranks for the two-level collectives. */
-  if (res == T3D_OK && comm->shm == NULL && T3D_HAVE_UCX && strcmp(want, "auto") == 0) {
-    res = setup_hier(comm);
+  if (res == T3D_OK && comm->shm == NULL && nhosts > 1 && strcmp(want, "auto") == 0) {
+    res = setup_hier(comm, host, nhosts);
     if (res != T3D_OK) {
       t3d__watch_leave(comm);
       comm->tp->fini(comm->tp_state);
     }
   }
+  free(host);
   if (res == T3D_OK) {
     res = t3d__nccl_new(&comm->nccl);
     if (res != T3D_OK) {

@@ -49,10 +49,12 @@ t3d_result_t t3d__submit_prepared(t3d_comm_t *comm, t3d_request_t *req, t3d_requ
 void t3d__enqueue(t3d_comm_t *comm, t3d_request_t *req);
 
 /* ---------- two levels across hosts (hier.c) ---------- */
-/* On a communicator without a segment whose hosts hold two or more ranks each, as many on every host: the layout
- * (hosts, lanes) and this rank's place in its host (local_rank of local_size); NULL otherwise, or with T3D_HIER=0,
- * or on error (*res). comm.c then makes the child communicator of this host's ranks and attaches it. */
-t3d_hier_t *t3d__hier_layout(t3d_comm_t *comm, int *local_rank, int *local_size, t3d_result_t *res);
+/* On a communicator without a segment whose hosts hold two or more ranks each, as many on every host (host[p]: rank
+ * p's host, of nhosts, as comm.c numbered them): the layout (lanes) and this rank's place in its host (local_rank of
+ * local_size); NULL otherwise, or with T3D_HIER=0, or on error (*res). comm.c then makes the child communicator of
+ * this host's ranks and attaches it. */
+t3d_hier_t *t3d__hier_layout(const t3d_comm_t *comm, const int *host, int nhosts, int *local_rank, int *local_size,
+                             t3d_result_t *res);
 int t3d__hier_host(const t3d_hier_t *h); /* this rank's host, numbered by their lowest ranks */
 void t3d__hier_attach(t3d_hier_t *h, t3d_comm_t *local);
 t3d_comm_t *t3d__hier_local(const t3d_hier_t *h);

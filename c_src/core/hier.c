@@ -34,44 +34,18 @@ struct t3d_hier {
   size_t scratch_bytes;
 };
 
-/* Host identities as setup_shm (comm.c) published them: host/<rank>. */
-static t3d_result_t host_ids(t3d_comm_t *comm, int *hid, int *nhosts) {
-  char **ids = calloc((size_t)comm->size, sizeof *ids);
-  if (ids == NULL) return T3D_ERR_NO_MEMORY;
-  t3d_result_t res = T3D_OK;
-  int n = 0;
-  for (int p = 0; p < comm->size && res == T3D_OK; p++) {
-    char key[32];
-    size_t len = 0;
-    snprintf(key, sizeof key, "host/%d", p);
-    res = t3d__store_get(comm, key, (void **)&ids[p], &len);
-    if (res != T3D_OK) break;
-    hid[p] = -1;
-    for (int q = 0; q < p && hid[p] < 0; q++) {
-      if (strcmp(ids[q], ids[p]) == 0) hid[p] = hid[q];
-    }
-    if (hid[p] < 0) hid[p] = n++;
-  }
-  for (int p = 0; p < comm->size; p++) free(ids[p]);
-  free(ids);
-  *nhosts = n;
-  return res;
-}
-
-t3d_hier_t *t3d__hier_layout(t3d_comm_t *comm, int *local_rank, int *local_size, t3d_result_t *out) {
+t3d_hier_t *t3d__hier_layout(const t3d_comm_t *comm, const int *hid, int nhosts, int *local_rank, int *local_size,
+                             t3d_result_t *out) {
   *out = T3D_OK;
-  if (t3d__param_int(T3D_PARAM_HIER) == 0 || comm->size < 4) return NULL;
-  int n = comm->size, nhosts = 0;
+  if (t3d__param_int(T3D_PARAM_HIER) == 0 || comm->size < 4 || nhosts < 2) return NULL;
+  int n = comm->size;
   t3d_hier_t *h = NULL;
-  int *hid = malloc(sizeof(int) * 2 * (size_t)n);
-  if (hid == NULL) {
+  int *per_host = calloc((size_t)nhosts, sizeof(int));
+  if (per_host == NULL) {
     *out = T3D_ERR_NO_MEMORY;
     return NULL;
   }
-  int *per_host = hid + n;
-  t3d_result_t res = host_ids(comm, hid, &nhosts);
-  if (res != T3D_OK || nhosts < 2) goto out;
-  memset(per_host, 0, sizeof(int) * (size_t)n);
+  t3d_result_t res = T3D_OK;
   int mine = -1;
   for (int p = 0; p < n; p++) {
     if (p == comm->rank) mine = per_host[hid[p]];
@@ -95,7 +69,7 @@ t3d_hier_t *t3d__hier_layout(t3d_comm_t *comm, int *local_rank, int *local_size,
   h->host_of = tables + n;
   h->local_of = tables + 2 * n;
   h->lane = tables + 3 * n;
-  memset(per_host, 0, sizeof(int) * (size_t)n);
+  memset(per_host, 0, sizeof(int) * (size_t)nhosts);
   for (int p = 0; p < n; p++) {
     int i = per_host[hid[p]]++;
     h->host_of[p] = hid[p];
@@ -112,7 +86,7 @@ t3d_hier_t *t3d__hier_layout(t3d_comm_t *comm, int *local_rank, int *local_size,
   *local_rank = mine;
   *local_size = each;
 out:
-  free(hid);
+  free(per_host);
   *out = res;
   return h;
 }
@@ -195,11 +169,8 @@ static t3d_result_t hier_allreduce(t3d_exec_t *ex, const void *sendbuf, void *re
   size_t *arr = malloc(4 * (size_t)nl * sizeof *arr);
   if (arr == NULL) return T3D_ERR_NO_MEMORY;
   size_t *counts = arr, *offs = arr + nl, *bytes = arr + 2 * nl, *displs = arr + 3 * nl;
-  size_t q = count / (size_t)nl, rem = count % (size_t)nl, off = 0;
+  t3d__algo_split(count, nl, counts, offs);
   for (int c = 0; c < nl; c++) {
-    counts[c] = q + ((size_t)c < rem ? 1 : 0);
-    offs[c] = off;
-    off += counts[c];
     bytes[c] = counts[c] * es;
     displs[c] = offs[c] * es;
   }

@@ -81,14 +81,4 @@ t3d_result_t t3d__ring_reduce_scatter(t3d_exec_t *ex, const void *sendbuf, void 
 t3d_result_t t3d__ring_allgather(t3d_exec_t *ex, void *buf, const size_t *bytes, const size_t *displs,
                                  uint32_t step0);
 
-/* Even split of count elements into n blocks, the first count % n one element longer. */
-static inline void t3d__algo_split(size_t count, int n, size_t *counts, size_t *offs) {
-  size_t q = count / (size_t)n, rem = count % (size_t)n, off = 0;
-  for (int c = 0; c < n; c++) {
-    counts[c] = q + ((size_t)c < rem ? 1 : 0);
-    offs[c] = off;
-    off += counts[c];
-  }
-}
-
 #endif /* T3D_UCX_H */
