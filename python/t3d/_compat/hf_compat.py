@@ -239,5 +239,13 @@ def install_mesh_loading_fix() -> bool:
     return _fix_v5() if api == "v5" else _fix_v4()
 
 
-__all__ = ["TESTED", "apply_tp_plan", "install_mesh_loading_fix", "load_on_tp_mesh", "tp_api",
-           "transformers_version"]
+def run_decoder_layer(layer, hidden, position_ids, position_embeddings):
+    """One decoder layer of a Llama-like model outside the model's own loop (a pipeline stage): no cache, no mask
+    (causal SDPA). transformers 4.57 and 5.x both take these keywords and return the hidden states; older 4.x
+    returned a tuple, whose first item is taken."""
+    out = layer(hidden, attention_mask=None, position_ids=position_ids, position_embeddings=position_embeddings)
+    return out[0] if isinstance(out, tuple) else out
+
+
+__all__ = ["TESTED", "apply_tp_plan", "install_mesh_loading_fix", "load_on_tp_mesh", "run_decoder_layer",
+           "tp_api", "transformers_version"]

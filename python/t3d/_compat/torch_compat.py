@@ -232,6 +232,27 @@ def fix_fsdp1_optim_state_dict() -> bool:
     return True
 
 
+def wrap_pipeline_stage(stage, forward_one_chunk, backward_one_chunk) -> None:
+    """Replace a torch.distributed.pipelining stage's per-microbatch forward and backward (the methods every
+    schedule of torch 2.9 .. 2.15 calls) with the given wrappers of them, on that one stage object."""
+    for name in ("forward_one_chunk", "backward_one_chunk"):
+        if not callable(getattr(stage, name, None)):
+            raise CompatError(f"t3d: torch {torch_version()}'s pipelining stage has no {name} ({_range_note()})")
+    stage.forward_one_chunk = forward_one_chunk
+    stage.backward_one_chunk = backward_one_chunk
+
+
+def premul_sum_op(factor: float):
+    """ReduceOp.PREMUL_SUM with a scalar factor (torch.distributed._make_nccl_premul_sum, 2.9 .. 2.15)."""
+    import torch.distributed as dist
+
+    fn = getattr(dist, "_make_nccl_premul_sum", None)
+    if fn is None:
+        raise CompatError(f"t3d: torch {torch_version()} has no _make_nccl_premul_sum ({_range_note()})")
+    return fn(factor)
+
+
 __all__ = ["CPHooks", "CP_TABLE_LOCATIONS", "TESTED", "backend_registered", "cp_hooks", "cp_load_balance",
-           "cp_unshard", "default_group", "dtensor_local", "fix_fsdp1_optim_state_dict", "flat_param_layout", "flatten_mesh", "group_backend",
-           "set_cp_load_balance", "set_cp_rotate_method", "torch_version"]
+           "cp_unshard", "default_group", "dtensor_local", "fix_fsdp1_optim_state_dict", "flat_param_layout", "flatten_mesh", "group_backend", "premul_sum_op",
+           "set_cp_load_balance", "set_cp_rotate_method", "torch_version",
+           "wrap_pipeline_stage"]

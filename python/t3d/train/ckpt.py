@@ -8,6 +8,10 @@ torch 2.9's get_state_dict returns AdamW's moments of TP-sharded parameters as p
 layout is lost in FSDP's flatten/unflatten), so the checkpoint holds one TP rank's half under the full name. Here each
 moment is read straight from AdamW's state (unflattening FSDP's FlatParameter by its recorded layout) and wrapped
 with the parameter's own TP placements; loading writes into the same views, in place.
+
+Under pipeline parallelism a rank holds one or several stage modules (`model` is then a list of them); they keep the
+whole model's parameter names, so the rank's part of the checkpoint is the union of its stages' state, and DCP
+matches names across any two pipeline layouts.
 """
 
 from __future__ import annotations
@@ -27,6 +31,10 @@ META = "t3d_train.json"
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
+def _parts(model) -> list:
+    return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
 def param_layouts(model) -> dict:
     """name -> (mesh, placements, global shape, global stride) for DTensor parameters, None for plain ones.
 
@@ -35,8 +43,9 @@ def param_layouts(model) -> dict:
     from torch.distributed.tensor import DTensor
 
     out = {}
-    for name, p in model.named_parameters():
-        out[name] = (p.device_mesh, tuple(p.placements), p.shape, p.stride()) if isinstance(p, DTensor) else None
+    for part in _parts(model):
+        for name, p in part.named_parameters():
+            out[name] = (p.device_mesh, tuple(p.placements), p.shape, p.stride()) if isinstance(p, DTensor) else None
     return out
 
 
@@ -62,7 +71,7 @@ def _optim_views(model, optimizer, layouts: dict) -> dict:
         return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
 
     views = {}
-    for p in model.parameters():
+    for part, p in ((part, p) for part in _parts(model) for p in part.parameters()):
         if not p.requires_grad:
             continue
         st = _init_state(optimizer, p)
@@ -76,7 +85,7 @@ def _optim_views(model, optimizer, layouts: dict) -> dict:
                         views[name][k] = wrap(st[k].narrow(0, offset, numel).view(shape), name)
                 offset += numel
         else:
-            name = _name_of(model, p)
+            name = _name_of(part, p)
             views[name] = {"step": st["step"], **{k: wrap(st[k], name) for k in _MOMENTS}}
     return views
 
@@ -94,16 +103,22 @@ class AppState(Stateful):
 
     def __init__(self, model, optimizer, layouts: dict):
         self.model, self.optimizer, self.layouts = model, optimizer, layouts
-        self._views = None
+        self._views, self._keys = None, []
 
     def state_dict(self):
         self._views = _optim_views(self.model, self.optimizer, self.layouts)
-        return {"model": get_model_state_dict(self.model), "optim": self._views}
+        merged, self._keys = {}, []
+        for part in _parts(self.model):
+            sd = get_model_state_dict(part)
+            self._keys.append(list(sd))
+            merged.update(sd)
+        return {"model": merged, "optim": self._views}
 
     def load_state_dict(self, state_dict):
         from torch.distributed.tensor import DTensor
 
-        set_model_state_dict(self.model, state_dict["model"])
+        for part, keys in zip(_parts(self.model), self._keys):  # DCP calls state_dict() first
+            set_model_state_dict(part, {k: state_dict["model"][k] for k in keys})
         # DCP loaded into the views in place; copy anyway in case a planner handed back new tensors.
         for name, loaded in state_dict["optim"].items():
             live = self._views[name]

@@ -17,7 +17,9 @@ The 3D-parallel (dp x tp x cp) training workflow of transformers' examples/3D_pa
 or CUDA, with an embedded tiny Llama and generated data (nothing from a hub).
 
   t3d-train                              # dp 2 x tp 2 x cp 2 on 8 ranks (launches torchrun itself)
-  t3d-train --dp 1 --tp 2 --cp 1         # any layout; world size = dp*tp*cp
+  t3d-train --dp 1 --tp 2 --cp 1         # any layout; world size = pp*dp*tp*cp
+  t3d-train --pp 2 --dp 2 --tp 2 --cp 1 --schedule interleaved-1f1b   # 4D: pipeline stages too
+  t3d-train --pp 1 --dp 4 --dp-shard 2 --tp 1 --cp 1                # HSDP (FSDP2 replicate 2 x shard 2)
   torchrun --nproc-per-node 4 -m t3d.train --dp 2 --tp 2 --cp 1
   t3d-train --resume --ckpt-dir DIR --dp 4 --tp 1 --cp 2 --steps 80   # continue under another layout
   t3d-train --compare-backends           # t3d vs gloo, taking turns, on every layout
@@ -31,11 +33,26 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dp", type=int, default=2, help="data-parallel degree (FSDP NO_SHARD) [2]")
     g.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (model's TP plan) [2]")
     g.add_argument("--cp", type=int, default=2, help="context-parallel degree (torch context_parallel) [2]")
+    g.add_argument("--pp", type=int, default=1,
+                   help="pipeline-parallel degree: the model's layers in pp stages (torch.distributed.pipelining) [1]")
+    g.add_argument("--dp-shard", type=int, default=1,
+                   help="shard the dp dimension with FSDP2: --dp-shard = --dp is ZeRO-3 (fully_shard over dp), "
+                        "a divisor in between HSDP (replicate dp/S x shard S); 1 keeps FSDP1 NO_SHARD [1]")
     g.add_argument("--cp-rotate", choices=["allgather", "alltoall"], default="allgather",
                    help="how context parallelism passes key/value shards (torch set_rotate_method) [allgather]")
     g.add_argument("--nproc", type=int, default=None,
-                   help="launch this many ranks through torchrun (must equal dp*tp*cp; default: dp*tp*cp "
+                   help="launch this many ranks through torchrun (must equal pp*dp*tp*cp; default: pp*dp*tp*cp "
                         "when not already under torchrun)")
+    g = p.add_argument_group("pipeline (with --pp > 1)")
+    g.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved-1f1b"], default="1f1b",
+                   help="pipeline schedule [1f1b]")
+    g.add_argument("--microbatches", type=int, default=None,
+                   help="microbatches per step; must divide the per-replica batch [largest divisor <= 2*pp]")
+    g.add_argument("--stages-per-rank", type=int, default=None,
+                   help="stages per pipeline rank (interleaved-1f1b: >= 2) [2 for interleaved-1f1b, else 1]")
+    g.add_argument("--compare-schedules", action="store_true",
+                   help="run this layout with each schedule (gpipe, 1f1b, interleaved-1f1b) and print step time, "
+                        "compute and bubble per schedule")
     g = p.add_argument_group("training")
     g.add_argument("--global-batch", type=int, default=8, help="sequences per step over all dp ranks [8]")
     g.add_argument("--seq-len", type=int, default=64, help="tokens (bytes) per sequence [64]")
@@ -46,6 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--profile", type=int, default=0, metavar="N",
                    help="profile N steps after the first (torch.profiler, CPU) and print where rank 0's step time "
                         "goes: compute (aten ops), communication (c10d ops and waits), Python and the rest [0: off]")
+    g.add_argument("--layers", type=int, default=None,
+                   help="decoder layers of the tiny Llama (more allow more pipeline stages) [2]")
+    g.add_argument("--grad-reduce", choices=["avg", "premul_sum"], default="avg",
+                   help="how gradients are averaged over dp and cp: ReduceOp.AVG, or PREMUL_SUM(1/n) (FSDP2: a "
+                        "divide factor over dp x cp) [avg]")
     g.add_argument("--model-seed", type=int, default=0, help="seed of the cached tiny model's initial weights [0]")
     g.add_argument("--num-sequences", type=int, default=1024, help="packed sequences in the generated dataset")
     g.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="model dtype [float32]")
@@ -137,22 +159,37 @@ def _parse_layout(text: str):
     return Layout(dp, tp, cp)
 
 
-def compare_backends(args, argv: list[str]) -> int:
-    """Run each layout on t3d and on gloo, taking turns (t3d, gloo, t3d, gloo, ... so that a slow minute of the
-    machine does not land on one backend only), and print a markdown table of median step times and their ratio."""
-    base = [a for a in _strip_nproc(argv) if a != "--compare-backends"]
-    drop = {"--dp", "--tp", "--cp", "--backend", "--ckpt-dir", "--metrics-json", "--compare-layouts", "--resume",
-            "--compare-rounds"}
+def _clean_argv(argv: list[str], drop: set[str]) -> list[str]:
+    """argv without --nproc and without the options in `drop` (with their values; --resume's is optional)."""
     cleaned, skip = [], False
-    for a in base:
+    for a in _strip_nproc(argv):
         if skip:
             skip = False
             continue
         key = a.split("=", 1)[0]
         if key in drop:
-            skip = "=" not in a and key != "--resume"
+            skip = "=" not in a and key not in ("--resume", "--compare-backends", "--compare-schedules")
             continue
         cleaned.append(a)
+    return cleaned
+
+
+def _run_once(world: int, run_argv: list[str], out: str):
+    """One t3d-train run under torchrun, quiet; (its metrics summary, wall seconds) or (None, why it failed)."""
+    t0 = time.perf_counter()
+    rc = subprocess.call(torchrun_command(world, run_argv), env=_child_env(world), stdout=subprocess.DEVNULL)
+    wall = time.perf_counter() - t0
+    if rc != 0:
+        return None, f"failed (exit {rc})"
+    with open(os.path.join(out, "metrics.json")) as f:
+        return json.load(f)["summary"], wall
+
+
+def compare_backends(args, argv: list[str]) -> int:
+    """Run each layout on t3d and on gloo, taking turns (t3d, gloo, t3d, gloo, ... so that a slow minute of the
+    machine does not land on one backend only), and print a markdown table of median step times and their ratio."""
+    cleaned = _clean_argv(argv, {"--compare-backends", "--dp", "--tp", "--cp", "--backend", "--ckpt-dir",
+                                 "--metrics-json", "--compare-layouts", "--resume", "--compare-rounds"})
     rounds = max(1, args.compare_rounds)
     work = tempfile.mkdtemp(prefix="t3d-compare-")
     runs: dict[tuple[str, str], list] = {}  # (layout, backend) -> [(summary, wall) or (None, why)]
@@ -165,18 +202,11 @@ def compare_backends(args, argv: list[str]) -> int:
                     run_argv = cleaned + ["--dp", str(layout.dp), "--tp", str(layout.tp), "--cp", str(layout.cp),
                                           "--backend", backend, "--ckpt-dir", out, "--no-save", "--no-plot",
                                           "--no-progress"]
-                    t0 = time.perf_counter()
-                    rc = subprocess.call(torchrun_command(layout.world, run_argv), env=_child_env(layout.world),
-                                         stdout=subprocess.DEVNULL)
-                    wall = time.perf_counter() - t0
-                    if rc != 0:
-                        runs.setdefault((str(layout), backend), []).append((None, f"failed (exit {rc})"))
-                        continue
-                    with open(os.path.join(out, "metrics.json")) as f:
-                        s = json.load(f)["summary"]
+                    s, wall = _run_once(layout.world, run_argv, out)
                     runs.setdefault((str(layout), backend), []).append((s, wall))
-                    print(f"  {layout} {backend} run {r + 1}/{rounds}: {s['step_time_mean_s'] * 1000:.1f} ms/step",
-                          file=sys.stderr)
+                    if s is not None:
+                        print(f"  {layout} {backend} run {r + 1}/{rounds}: {s['step_time_mean_s'] * 1000:.1f} "
+                              f"ms/step", file=sys.stderr)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print()
@@ -210,17 +240,73 @@ def compare_backends(args, argv: list[str]) -> int:
     return 1 if failed else 0
 
 
+def compare_schedules(args, argv: list[str], layout) -> int:
+    """Run one pipeline layout with each schedule (taking turns over --compare-rounds rounds) and print a markdown
+    table: median step time, and on the last pipeline rank's stages compute, waiting (bubble and transfers) and the
+    reductions after the schedule."""
+    from .pipeline import SCHEDULES
+
+    if layout.pp < 2:
+        print("t3d-train: --compare-schedules needs --pp >= 2", file=sys.stderr)
+        return 2
+    cleaned = _clean_argv(argv, {"--compare-schedules", "--schedule", "--stages-per-rank", "--ckpt-dir",
+                                 "--metrics-json", "--resume", "--compare-rounds"})
+    rounds = max(1, args.compare_rounds)
+    work = tempfile.mkdtemp(prefix="t3d-schedules-")
+    runs: dict[str, list] = {}
+    try:
+        for r in range(rounds):
+            for name in SCHEDULES:
+                out = os.path.join(work, f"{name}-{r}")
+                s, wall = _run_once(layout.world, cleaned + ["--schedule", name, "--ckpt-dir", out, "--no-save",
+                                                             "--no-plot", "--no-progress"], out)
+                runs.setdefault(name, []).append((s, wall))
+                if s is not None:
+                    print(f"  {layout} {name} run {r + 1}/{rounds}: {s['step_time_mean_s'] * 1000:.1f} ms/step",
+                          file=sys.stderr)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print()
+    print(f"pipeline schedules on {layout} ({layout.world} ranks, backend {args.backend}): {args.steps} steps, "
+          f"global batch {args.global_batch} x seq {args.seq_len}, {os.cpu_count()} cores; median over {rounds} "
+          f"run(s) of the mean step (first step left out); per pipeline rank (of dp/tp/cp coordinate 0): compute "
+          f"= its stages' forward+backward, wait = the rest of the schedule (bubble and transfers)")
+    print()
+    print("| schedule | microbatches | step time (ms) | tokens/s | per pipeline rank: compute / wait (ms) | "
+          "loss first -> last |")
+    print("|---|---|---|---|---|---|")
+    failed = False
+    for name in SCHEDULES:
+        ok = [s for s, _ in runs.get(name, []) if s is not None]
+        if len(ok) != rounds:
+            failed = True
+            why = next((w for s, w in runs.get(name, []) if s is None), "not run")
+            print(f"| {name} | - | - | - | - | {why} |")
+            continue
+        step = statistics.median(s["step_time_mean_s"] for s in ok)
+        pipe = ok[0].get("pipeline") or []
+        per_rank = ", ".join(f"{statistics.median(o['pipeline'][i]['compute'] for o in ok) * 1000:.0f} / "
+                             f"{statistics.median(o['pipeline'][i]['wait'] for o in ok) * 1000:.0f}"
+                             for i in range(len(pipe)))
+        print(f"| {name} | {ok[0].get('microbatches', '-')} | {step * 1000:.1f} | "
+              f"{args.global_batch * args.seq_len / step:.0f} | {per_rank} | "
+              f"{ok[0]['loss_first']:.4f} -> {ok[0]['loss_last']:.4f} |")
+    return 1 if failed else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    from .loop import Layout
+    from .loop import layout_of
 
-    layout = Layout(args.dp, args.tp, args.cp)
-    if min(args.dp, args.tp, args.cp) < 1:
-        print("t3d-train: --dp, --tp and --cp must be >= 1", file=sys.stderr)
+    layout = layout_of(args)
+    if (why := layout.check()):
+        print(f"t3d-train: {why}", file=sys.stderr)
         return 2
     if args.compare_backends:
         return compare_backends(args, argv)
+    if args.compare_schedules:
+        return compare_schedules(args, argv, layout)
     if args.ckpt_dir is None:
         args.ckpt_dir = os.path.join("t3d-train-ckpt", str(layout))
         argv += ["--ckpt-dir", args.ckpt_dir]
@@ -228,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.nproc is not None or (not under_launcher and layout.world > 1):
         nproc = args.nproc if args.nproc is not None else layout.world
         if nproc != layout.world:
-            print(f"t3d-train: --nproc {nproc} but dp*tp*cp = {layout.world} ({layout})", file=sys.stderr)
+            print(f"t3d-train: --nproc {nproc} but pp*dp*tp*cp = {layout.world} ({layout})", file=sys.stderr)
             return 2
         return launch(nproc, argv)
     if under_launcher:

@@ -40,16 +40,21 @@ def model_cache_root() -> str:
     return base
 
 
-def model_dir(init_seed: int, root: str | None = None) -> str:
+def tiny_config(layers: int | None = None) -> dict:
+    """TINY_LLAMA, with `layers` decoder layers when given (a deeper model for more pipeline stages)."""
+    return dict(TINY_LLAMA, **({"num_hidden_layers": layers} if layers else {}))
+
+
+def model_dir(init_seed: int, root: str | None = None, layers: int | None = None) -> str:
     import transformers
 
-    key = json.dumps({"config": TINY_LLAMA, "seed": init_seed, "transformers": transformers.__version__},
+    key = json.dumps({"config": tiny_config(layers), "seed": init_seed, "transformers": transformers.__version__},
                      sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     return os.path.join(root or model_cache_root(), f"tiny-llama-{digest}")
 
 
-def ensure_model(init_seed: int, root: str | None = None) -> str:
+def ensure_model(init_seed: int, root: str | None = None, layers: int | None = None) -> str:
     """Create the tiny model on each host's first rank (LOCAL_RANK 0; save_pretrained) if that host's cache lacks
     it; every rank returns its path.
 
@@ -57,7 +62,7 @@ def ensure_model(init_seed: int, root: str | None = None) -> str:
     Where they do share one, the save goes to a temporary sibling that is renamed into place, so concurrent writers
     (other hosts, tests) never expose a half written directory; the other ranks wait on a barrier.
     """
-    path = model_dir(init_seed, root)
+    path = model_dir(init_seed, root, layers)
     local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
     if local_rank == 0 and not os.path.exists(os.path.join(path, "config.json")):
         from transformers import LlamaConfig, LlamaForCausalLM
@@ -67,7 +72,7 @@ def ensure_model(init_seed: int, root: str | None = None) -> str:
         try:
             cpu_rng = torch.random.get_rng_state()
             torch.manual_seed(init_seed)
-            model = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA))
+            model = LlamaForCausalLM(LlamaConfig(**tiny_config(layers)))
             torch.random.set_rng_state(cpu_rng)
             # Not model.save_pretrained: transformers 5 writes nothing there unless this is global rank 0 (its
             # distributed checkpointing), and every host's first rank writes its own copy.
