@@ -167,7 +167,7 @@ class GradNorm:
     Each rank sums the squares of its gradient elements, each weighted by 1 / (the number of ranks holding that same
     element), and one all-reduce over all ranks adds them up: every element of the full gradient counts once. The
     ranks of one pipeline stage (dp x tp x cp of them) hold its parameters; a parameter sharded over some mesh
-    dimensions (TP shards, FSDP2 shards: a DTensor's Shard placements) has that many distinct pieces among them.
+    dimensions (TP shards, FSDP2 shards: a DTensor's placements other than Replicate) has that many distinct pieces among them.
     FSDP1 flattens parameters into FlatParameters; their elements are weighted by the TP sharding of the names
     recorded before wrapping. (Upstream calls FSDP's clip_grad_norm_, whose norm under TP is that of the local
     shards only: its own comment that the reported grad norm still needs fixing.)
@@ -209,7 +209,7 @@ class GradNorm:
                 g = torch_compat.dtensor_local(p.grad)
                 pieces = 1
                 for i, pl in enumerate(p.grad.placements):
-                    if pl.is_shard():
+                    if not pl.is_replicate():  # Shard, and FSDP2's _StridedShard (whose is_shard() is False)
                         pieces *= p.grad.device_mesh.size(i)
                 term = g.detach().float().pow(2).sum() * (pieces / self.holders)
             elif torch_compat.flat_param_layout(p) is not None:  # FSDP1 FlatParameter
