@@ -14,6 +14,8 @@ DEFAULT_TIMEOUT_S = 300
 def pytest_configure(config):
     config.addinivalue_line("markers", "world8: needs 8 ranks (deselect with -m 'not world8')")
     config.addinivalue_line("markers", "timeout(seconds): pytest-timeout hard limit")
+    config.addinivalue_line("markers", "newest_only: a variation that the oldest stack's run leaves out (its code "
+                                       "path is covered there by another test; scripts/test.sh)")
 
 
 def pytest_report_header(config):

@@ -35,8 +35,8 @@ def model_cache(tmp_path_factory):
     return str(tmp_path_factory.mktemp("t3d-models"))
 
 
-def _run(model_cache, out_dir, dp, tp, cp, extra=(), backend="t3d", expect_rc=0):
-    cmd = [sys.executable, "-m", "t3d.train", "--dp", str(dp), "--tp", str(tp), "--cp", str(cp),
+def _run(model_cache, out_dir, dp, tp, cp, extra=(), backend="t3d", expect_rc=0, pp=1):
+    cmd = [sys.executable, "-m", "t3d.train", "--pp", str(pp), "--dp", str(dp), "--tp", str(tp), "--cp", str(cp),
            "--backend", backend, "--ckpt-dir", str(out_dir), *COMMON, *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1", T3D_MODEL_CACHE=model_cache, PYTHONUNBUFFERED="1")
     try:
@@ -56,6 +56,12 @@ def _run(model_cache, out_dir, dp, tp, cp, extra=(), backend="t3d", expect_rc=0)
 
 def _losses(metrics):
     return [r["loss"] for r in metrics["records"]]
+
+
+def _assert_norms_close(m, ref, what):
+    gn, gn_ref = [r["grad_norm"] for r in m["records"]], [r["grad_norm"] for r in ref["records"]]
+    for i, (g, w) in enumerate(zip(gn, gn_ref)):
+        assert abs(g - w) <= 1e-3 * w, f"{what}: grad norm at step {i + 1}: {g} vs {w}"
 
 
 def _assert_close(got, want, what):
@@ -88,9 +94,7 @@ def test_equivalence(reference, model_cache, tmp_path, dp, tp, cp):
     _, m = _run(model_cache, tmp_path, dp, tp, cp)
     assert m["world"] == dp * tp * cp
     _assert_close(_losses(m), _losses(ref), f"dp{dp}xtp{tp}xcp{cp} losses")
-    gn, gn_ref = [r["grad_norm"] for r in m["records"]], [r["grad_norm"] for r in ref["records"]]
-    for i, (g, w) in enumerate(zip(gn, gn_ref)):
-        assert abs(g - w) <= 1e-3 * w, f"grad norm at step {i + 1}: {g} vs {w}"
+    _assert_norms_close(m, ref, f"dp{dp}xtp{tp}xcp{cp}")
 
 
 @pytest.mark.timeout(600)
@@ -164,3 +168,117 @@ def test_cli_rejects_bad_layout(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "t3d.train", "--dp", "2", "--tp", "1", "--cp", "1", "--nproc", "3"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "dp*tp*cp" in proc.stderr
+
+
+# 4D: pipeline stages (torch.distributed.pipelining) and FSDP2 / HSDP beside TP and CP. Every layout and schedule
+# must reproduce the one-process curve: losses within RTOL and the grad norm (over every stage and shard, clipped at
+# 1.0 in each step) within 1e-3. Three steps: each one clips, so a wrong norm shows in the losses that follow too.
+STEPS_4D = 3
+
+
+def _check_pipeline_summary(m, pp, schedule):
+    """The per-stage timing the summary promises: one entry per pipeline rank, its stages, and parts that are
+    measured (positive) and fit inside the step."""
+    s = m["summary"]
+    assert s["schedule"] == schedule and s["microbatches"] >= 1, s
+    stages = s["pipeline"]
+    assert [t["pp_rank"] for t in stages] == list(range(pp)), stages
+    for t in stages:
+        assert t["fwd"] > 0 and t["bwd"] > 0 and t["wait"] >= 0 and t["sync"] > 0, t
+        assert t["fwd"] + t["bwd"] + t["wait"] + t["sync"] <= t["step"] * 1.05 + 1e-3, t
+    per_rank = 2 if schedule == "interleaved-1f1b" else 1
+    assert sorted(i for t in stages for i in t["stages"]) == list(range(pp * per_rank)), stages
+
+
+LAYOUTS_4D = [
+    # (pp, dp, tp, cp, extra)
+    pytest.param(2, 2, 1, 1, ["--schedule", "gpipe"], id="pp2xdp2-gpipe", marks=pytest.mark.newest_only),
+    pytest.param(2, 1, 2, 1, ["--schedule", "1f1b"], id="pp2xtp2-1f1b", marks=pytest.mark.newest_only),
+    pytest.param(2, 2, 1, 1, ["--schedule", "interleaved-1f1b"], id="pp2xdp2-interleaved"),
+    pytest.param(1, 4, 1, 1, ["--dp-shard", "4"], id="fsdp2-dp4", marks=pytest.mark.newest_only),
+    pytest.param(1, 4, 1, 1, ["--dp-shard", "2", "--grad-reduce", "premul_sum"], id="hsdp2x2-premul"),
+    pytest.param(2, 2, 2, 1, ["--dp-shard", "2", "--schedule", "interleaved-1f1b"], id="pp2xfsdp2xtp2-interleaved",
+                 marks=[pytest.mark.world8, pytest.mark.newest_only]),
+    pytest.param(2, 1, 2, 2, ["--schedule", "1f1b"], id="pp2xtp2xcp2-1f1b",
+                 marks=[pytest.mark.world8, pytest.mark.newest_only]),
+]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("pp,dp,tp,cp,extra", LAYOUTS_4D)
+def test_4d_equivalence(reference, model_cache, tmp_path, pp, dp, tp, cp, extra):
+    if cp > 1 and (why := _cp_available()):
+        pytest.skip(why)
+    _, ref = reference
+    _, m = _run(model_cache, tmp_path, dp, tp, cp, pp=pp, extra=["--steps", str(STEPS_4D), "--no-save", *extra])
+    what = f"{m['layout']} {' '.join(extra)}"
+    assert m["world"] == pp * dp * tp * cp
+    _assert_close(_losses(m), _losses(ref)[:STEPS_4D], f"{what} losses")
+    _assert_norms_close(m, ref, what)
+    if pp > 1:
+        _check_pipeline_summary(m, pp, extra[extra.index("--schedule") + 1])
+
+
+@pytest.mark.newest_only
+@pytest.mark.timeout(600)
+def test_resume_pp4_as_pp2xdp2(reference, model_cache, tmp_path):
+    """A pp4 run (embeddings, layer 0, layer 1, head: one stage each) checkpointed at step 3 resumes as pp2 x dp2
+    and continues the one-process curve: DCP matches the stages' global parameter names."""
+    _, ref = reference
+    _, m = _run(model_cache, tmp_path / "pp4", 1, 1, 1, pp=4, extra=["--ckpt-interval", "3"])
+    _assert_close(_losses(m), _losses(ref), "pp4 losses")
+    _, m2 = _run(model_cache, tmp_path / "pp2xdp2", 2, 1, 1, pp=2,
+                 extra=["--resume", str(tmp_path / "pp4" / "step-000003"), "--no-save"])
+    assert m2["start_step"] == 3 and [r["step"] for r in m2["records"]] == [4, 5]
+    _assert_close(_losses(m2), _losses(ref)[3:], "pp4 checkpoint resumed on pp2xdp2")
+
+
+@pytest.mark.newest_only
+@pytest.mark.timeout(600)
+def test_compare_schedules_table(model_cache):
+    cmd = [sys.executable, "-m", "t3d.train", "--pp", "2", "--dp", "1", "--tp", "1", "--cp", "1",
+           "--compare-schedules", "--compare-rounds", "1", "--steps", "2", "--no-progress"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", T3D_MODEL_CACHE=model_cache)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "| schedule | microbatches | step time (ms) | tokens/s | per pipeline rank: compute / wait (ms) |" \
+        in proc.stdout, proc.stdout
+    rows = [[c.strip() for c in l.strip("|").split("|")] for l in proc.stdout.splitlines()
+            if l.startswith("| gpipe") or l.startswith("| 1f1b") or l.startswith("| interleaved")]
+    assert [r[0] for r in rows] == ["gpipe", "1f1b", "interleaved-1f1b"], proc.stdout
+    for r in rows:
+        assert r[1] == "4" and float(r[2]) > 0 and float(r[3]) > 0, r
+        ranks = [tuple(float(x) for x in part.split("/")) for part in r[4].split(",")]
+        assert len(ranks) == 2 and all(c > 0 and w >= 0 for c, w in ranks), r
+    assert len({r[5] for r in rows}) == 1, rows  # every schedule trains the same curve
+
+
+@pytest.mark.parametrize("args,why", [
+    (["--pp", "2", "--microbatches", "3"], "--microbatches 3 must divide the per-replica batch 8"),
+    (["--pp", "4", "--schedule", "interleaved-1f1b"], "8 pipeline stages but the model has only 4 units"),
+    (["--pp", "2", "--stages-per-rank", "2"], "--stages-per-rank 2 needs --schedule interleaved-1f1b"),
+    (["--pp", "4", "--microbatches", "2"], "--schedule 1f1b needs --microbatches >= pp (2 < 4)"),
+    (["--dp", "4", "--dp-shard", "3"], "--dp-shard 3 must divide --dp 4"),
+], ids=["microbatches", "stages", "stages-per-rank", "1f1b-fill", "dp-shard"])
+def test_cli_rejects_bad_4d_layout(args, why, capsys):
+    from t3d.train.cli import main
+
+    base = {"--pp": "1", "--dp": "1", "--tp": "1", "--cp": "1"}
+    for k, v in zip(args[::2], args[1::2]):
+        base[k] = v
+    rc = main([x for kv in base.items() for x in kv])  # refused before any rank is launched
+    err = capsys.readouterr().err
+    assert rc == 2 and f"t3d-train: {why}" in err, err
+
+
+def test_stage_split():
+    from t3d.train.pipeline import describe, split_units
+
+    assert describe(split_units(2, 2)) == "stage 0: embed, layer 0; stage 1: layer 1, norm+head"
+    assert describe(split_units(2, 4)) == "stage 0: embed; stage 1: layer 0; stage 2: layer 1; stage 3: norm+head"
+    assert describe(split_units(4, 4)) == ("stage 0: embed, layer 0; stage 1: layer 1, layer 2; stage 2: layer 3; "
+                                           "stage 3: norm+head")
+    assert describe(split_units(6, 3)) == ("stage 0: embed, layer 0, layer 1; stage 1: layer 2, layer 3, layer 4; "
+                                           "stage 2: layer 5, norm+head")
+    with pytest.raises(ValueError, match="5 pipeline stages but the model has only 4 units"):
+        split_units(2, 5)

@@ -300,7 +300,12 @@ def main(argv: list[str] | None = None) -> int:
     from .loop import layout_of
 
     layout = layout_of(args)
-    if (why := layout.check()):
+    why = layout.check()
+    if why is None and args.pp > 1 and not args.compare_schedules:
+        from .pipeline import check_args
+
+        why = check_args(args, layout)
+    if why:
         print(f"t3d-train: {why}", file=sys.stderr)
         return 2
     if args.compare_backends:
