@@ -285,8 +285,8 @@ def compare_schedules(args, argv: list[str], layout) -> int:
             continue
         step = statistics.median(s["step_time_mean_s"] for s in ok)
         pipe = ok[0].get("pipeline") or []
-        per_rank = ", ".join(f"{statistics.median(o['pipeline'][i]['compute'] for o in ok) * 1000:.0f} / "
-                             f"{statistics.median(o['pipeline'][i]['wait'] for o in ok) * 1000:.0f}"
+        per_rank = ", ".join(f"{statistics.median(o['pipeline'][i]['compute'] for o in ok) * 1000:.1f} / "
+                             f"{statistics.median(o['pipeline'][i]['wait'] for o in ok) * 1000:.1f}"
                              for i in range(len(pipe)))
         print(f"| {name} | {ok[0].get('microbatches', '-')} | {step * 1000:.1f} | "
               f"{args.global_batch * args.seq_len / step:.0f} | {per_rank} | "

@@ -96,12 +96,14 @@ class StageTimer:
     also cover)."""
 
     def __init__(self):
-        self.compute = 0.0
-        self.fwd = 0.0
-        self.bwd = 0.0
+        self.fwd = self.bwd = 0.0
+
+    @property
+    def compute(self) -> float:
+        return self.fwd + self.bwd
 
     def reset(self) -> None:
-        self.compute = self.fwd = self.bwd = 0.0
+        self.fwd = self.bwd = 0.0
 
     def wrap(self, stage) -> None:
         def timed(fn, kind):
@@ -110,12 +112,7 @@ class StageTimer:
                 try:
                     return fn(*a, **k)
                 finally:
-                    dt = time.perf_counter() - t0
-                    self.compute += dt
-                    if kind == "fwd":
-                        self.fwd += dt
-                    else:
-                        self.bwd += dt
+                    setattr(self, kind, getattr(self, kind) + time.perf_counter() - t0)
             return call
 
         torch_compat.wrap_pipeline_stage(stage, timed(stage.forward_one_chunk, "fwd"),
