@@ -27,7 +27,8 @@
 #   --deadline S         finish within S seconds of the start: a step that no longer fits is skipped, a running
 #                        one is stopped (the device tool's commands run for at most 600 s: use --deadline 570)
 #   --skip A,B           skip these steps (e.g. a second call on the still-warm machine, whose build-gpu/ is kept:
-#                        --skip nccl-1rank,pytest-cuda,pytest-attention-cuda,bench-attention to run the C tests)
+#                        --skip nccl-1rank,pytest-cuda,pytest-attention-cuda,bench-attention,bench-collectives to run the C
+#                        tests)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 T0=$(date +%s)
@@ -478,6 +479,18 @@ step_bench() {
   fi
   { echo '```'; tail -n 60 "$STATE/bench.out" | cut -c1-400; echo '```'; } >"$STEP_SHOW"
 }
+step_bench_collectives() {
+  # t3d through torch against NCCL on CUDA tensors, one rank per GPU (NCCL, and t3d's CUDA path with it, refuses
+  # two ranks on one GPU).
+  py_env
+  local n
+  n="$("$PY" -c 'import torch; print(torch.cuda.device_count())')"
+  "$PY" -m t3d.bench collectives --device cuda --nproc "$n" --backends t3d,nccl \
+    --ops all_reduce,broadcast,all_gather,reduce_scatter --max 64M --out "$STATE/bench-collectives" \
+    --timeout 150 | tee "$STATE/bench-collectives.out"
+  echo "t3d-bench collectives --device cuda --nproc $n --backends t3d,nccl --max 64M" >"$STEP_DETAIL"
+  { echo '```'; grep -E '^(#|\|)' "$STATE/bench-collectives.out" | cut -c1-300 | tail -n 80; echo '```'; } >"$STEP_SHOW"
+}
 step_ctest() {
   # No C test loads the real libnccl today (the fakes set T3D_NCCL_LIBRARY themselves, test_nccl_missing gets its
   # own from ctest); any that does gets the wheel's library.
@@ -493,7 +506,7 @@ step_ctest() {
 }
 export -f step_env step_kit cmake_args step_configure step_build step_build_nowerror step_stage py_env step_nccl \
   crash_preload symbolize_crash \
-  pytest_step step_pytest_cuda step_pytest_attention step_bench step_ctest
+  pytest_step step_pytest_cuda step_pytest_attention step_bench step_bench_collectives step_ctest
 export NCCL_WHEEL_NAME
 
 run_step env 120 step_env
@@ -508,7 +521,7 @@ else
   BUILT=build
 fi
 run_step stage 180 step_stage "$BUILT"
-GPU_STEPS=(nccl-1rank pytest-cuda pytest-attention-cuda bench-attention ctest)
+GPU_STEPS=(nccl-1rank pytest-cuda pytest-attention-cuda bench-attention bench-collectives ctest)
 if [ -n "$NO_GPU_REASON" ]; then
   for s in "${GPU_STEPS[@]}"; do skip_step "$s" "no GPU ($NO_GPU_REASON)"; done
 else
@@ -516,6 +529,7 @@ else
   run_step pytest-cuda 420 step_pytest_cuda stage
   run_step pytest-attention-cuda 300 step_pytest_attention stage
   run_step bench-attention 240 step_bench stage
+  run_step bench-collectives 200 step_bench_collectives stage
   run_step ctest 900 step_ctest "$BUILT"
 fi
 

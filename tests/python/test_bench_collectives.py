@@ -134,3 +134,61 @@ def test_repeated_runs_report_each_rows_median_and_any_wrong_result():
     assert bc.median_rows(runs[:1]) == runs[0]
     md = bc.render({"_load": 0.0, "_repeat": 3, "t3d": [ar, bc_row]}, 2, {})
     assert "ran 3 times" in md and "WRONG" in md
+
+
+# --device cuda: where no GPU is, both benchmarks refuse in one line naming why; the CUDA tables render from rows.
+def _no_gpu():
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.skipif(_no_gpu(), reason="a GPU is present: the refusal is for machines without one")
+@pytest.mark.parametrize("bench,stream", [("collectives", "stderr"), ("attention", "stdout")])
+def test_cuda_mode_refuses_in_one_line_without_a_gpu(bench, stream):
+    import torch
+
+    proc = subprocess.run([sys.executable, "-m", "t3d.bench", bench, "--device", "cuda"], capture_output=True,
+                          text=True, timeout=120)
+    out = getattr(proc, stream).strip()
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert out == (f"t3d-bench {bench}: --device cuda needs a CUDA device; torch {torch.__version__} sees none "
+                   f"(torch.cuda.is_available() is False)"), out
+
+
+def test_cuda_collectives_need_a_gpu_per_rank(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert bc.cuda_refusal(1) is None
+    assert bc.cuda_refusal(2) == ("t3d-bench collectives: --device cuda with --nproc 2 needs 2 GPUs, this machine "
+                                  "has 1: NCCL, and so t3d's CUDA path, refuses two ranks on one GPU")
+
+
+def test_cuda_collective_rows_render_without_a_floor():
+    rows = [{"op": "all_reduce", "bytes": 1 << 20, "time_us": 50.0, "wrong": 0}]
+    md = bc.render({"_load": 0.1, "_cores": 16, "_device": "2 x NVIDIA H100", "t3d": rows,
+                    "nccl": [dict(rows[0], time_us=40.0)]}, 2, {})
+    assert "Device: CUDA tensors, one GPU per rank (2 x NVIDIA H100)" in md, md
+    assert "| 1 MiB | 50.0 | 20.972 | 40.0 | 26.214 | 0.80x | 0.80x (nccl) | - | - | ok |" in md, md
+
+
+def test_cuda_attention_table_and_peak():
+    from t3d.bench import attention_cuda as ac
+
+    assert ac.peak_tflops("NVIDIA H100 80GB HBM3") == 989.4 and ac.peak_tflops("NVIDIA H100 PCIe") == 756.0
+    assert ac.peak_tflops("NVIDIA H200") == 989.4 and ac.peak_tflops("Some GPU") is None
+    cfgs = ac.configs(quick=True)
+    assert {(c["dtype"], c["head_dim"], c["seq"]) for c in cfgs} == {
+        (d, 128, s) for d in ("bfloat16", "float16") for s in (1024, 4096)}
+    row = dict(cfgs[0], results={"t3d": {"fwd_ms": 2.0, "fwdbwd_ms": 7.0, "fwd_tflops": 494.7, "fwdbwd_tflops": 400.0},
+                                 "flash": {"fwd_ms": 1.0, "fwdbwd_ms": 3.5, "fwd_tflops": 989.4,
+                                           "fwdbwd_tflops": 800.0},
+                                 "efficient": {"error": "No available kernel"}, "max_abs_diff": 0.0039})
+    md = ac.render({"gpu": "NVIDIA H200", "peak_tflops": 989.4, "torch": "2.11", "cuda": "13.0", "quick": True,
+                    "date": "d"}, [row])
+    assert "| bfloat16 | yes | 1024 | 4x16 | 128 | t3d | 2.00 | 494.70 (50%) | 7.00 | 400.00 |" in md, md
+    assert "| bfloat16 | yes | 1024 | 4x16 | 128 | flash | 1.00 | 989.40 | 3.50 | 800.00 |" in md, md
+    assert "| efficient | refused: No available kernel |" in md, md
+    assert "t3d vs SDPA: max abs diff 3.9e-03" in md, md

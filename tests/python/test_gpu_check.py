@@ -15,7 +15,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "scripts", "gpu-check.sh")
 GTEST_SRC = os.environ.get("T3D_GTEST_SRC", "/usr/src/googletest")
-GPU_STEPS = ["nccl-1rank", "pytest-cuda", "pytest-attention-cuda", "bench-attention", "ctest"]
+GPU_STEPS = ["nccl-1rank", "pytest-cuda", "pytest-attention-cuda", "bench-attention", "bench-collectives", "ctest"]
 
 
 def _modules_in_source_tree():

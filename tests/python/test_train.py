@@ -221,16 +221,19 @@ def test_4d_equivalence(reference, model_cache, tmp_path, pp, dp, tp, cp, extra)
 
 @pytest.mark.newest_only
 @pytest.mark.timeout(600)
-def test_resume_pp4_as_pp2xdp2(reference, model_cache, tmp_path):
-    """A pp4 run (embeddings, layer 0, layer 1, head: one stage each) checkpointed at step 3 resumes as pp2 x dp2
-    and continues the one-process curve: DCP matches the stages' global parameter names."""
+def test_resume_pp4_as_pp2xdp2_and_as_hsdp(reference, model_cache, tmp_path):
+    """A pp4 run (embeddings, layer 0, layer 1, head: one stage each) checkpointed at step 3 resumes as pp2 x dp2,
+    and as HSDP (FSDP2 replicate 2 x shard 2, no pipeline), and both continue the one-process curve: DCP matches
+    the stages' global parameter names, and the optimizer state, whatever shards it."""
     _, ref = reference
     _, m = _run(model_cache, tmp_path / "pp4", 1, 1, 1, pp=4, extra=["--ckpt-interval", "3"])
     _assert_close(_losses(m), _losses(ref), "pp4 losses")
-    _, m2 = _run(model_cache, tmp_path / "pp2xdp2", 2, 1, 1, pp=2,
-                 extra=["--resume", str(tmp_path / "pp4" / "step-000003"), "--no-save"])
-    assert m2["start_step"] == 3 and [r["step"] for r in m2["records"]] == [4, 5]
-    _assert_close(_losses(m2), _losses(ref)[3:], "pp4 checkpoint resumed on pp2xdp2")
+    step3 = str(tmp_path / "pp4" / "step-000003")
+    for name, pp, dp, extra in (("pp2xdp2", 2, 2, []), ("hsdp2x2", 1, 4, ["--dp-shard", "2"])):
+        _, m2 = _run(model_cache, tmp_path / name, dp, 1, 1, pp=pp, extra=["--resume", step3, "--no-save", *extra])
+        assert m2["start_step"] == 3 and [r["step"] for r in m2["records"]] == [4, 5], name
+        _assert_close(_losses(m2), _losses(ref)[3:], f"pp4 checkpoint resumed on {name}")
+        _assert_norms_close({"records": m2["records"]}, {"records": ref["records"][3:]}, f"resumed on {name}")
 
 
 @pytest.mark.newest_only

@@ -60,7 +60,7 @@ def _check_output(run, out, ok):
     return check
 
 
-def _make_op(op: str, nbytes: int, rank: int, n: int, dist, torch, group=None):
+def _make_op(op: str, nbytes: int, rank: int, n: int, dist, torch, group=None, device=None):
     """Buffers, a callable that runs the op once, a check, and the message size S in bytes. `group` (all_reduce
     only, for the dispatch floor): run on that group instead of the world. Sizes, inputs and expected outputs are
     opspec's, as for the MPI peer.
@@ -71,8 +71,9 @@ def _make_op(op: str, nbytes: int, rank: int, n: int, dist, torch, group=None):
     the timed loop expects them (all_reduce: zeros, so that repeating it in place never overflows)."""
     n_in, n_out, size_b = counts(op, nbytes, n)
     value = input_value(op, rank, n)
+    dev = {"device": device}
     if op == "all_reduce":
-        x = torch.zeros(n_in)
+        x = torch.zeros(n_in, **dev)
         group = dist.group.WORLD if group is None else group  # passed explicitly either way: the same call
 
         def check():
@@ -83,7 +84,7 @@ def _make_op(op: str, nbytes: int, rank: int, n: int, dist, torch, group=None):
             return ok
         return (lambda: dist.all_reduce(x, group=group)), check, size_b
     if op == "broadcast":
-        x = torch.zeros(n_in)
+        x = torch.zeros(n_in, **dev)
 
         def run():
             dist.broadcast(x, src=ROOT)
@@ -93,8 +94,8 @@ def _make_op(op: str, nbytes: int, rank: int, n: int, dist, torch, group=None):
             run()
             return output_ok(op, rank, n, x)
         return run, check, size_b
-    x = torch.full((n_in,), value)
-    out = torch.empty(n_out)
+    x = torch.full((n_in,), value, **dev)
+    out = torch.empty(n_out, **dev)
     if op == "all_gather":
         run = lambda: dist.all_gather_into_tensor(out, x)  # noqa: E731
     elif op == "reduce_scatter":
@@ -115,8 +116,8 @@ def _budget_iters(iters: int, warm_call_s: float, max_over_ranks) -> int:
     return budget_iters(iters, max_over_ranks(warm_call_s))
 
 
-def _max_over_ranks(x: float, dist, torch) -> float:
-    t = torch.tensor([x], dtype=torch.float64)
+def _max_over_ranks(x: float, dist, torch, device=None) -> float:
+    t = torch.tensor([x], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
 
@@ -128,14 +129,20 @@ BATCHES = 5
 SMALL_MAX = 4 << 10  # all_reduce rows up to this size, with more ranks than cores, also time one switch per call
 
 
-def _timed(run, iters: int) -> float:
+def _timed(run, iters: int, sync=None) -> float:
+    """Seconds for iters calls; with sync (a CUDA device's synchronize), until the device has finished them."""
+    if sync is not None:
+        sync()
     t0 = time.perf_counter()
     for _ in range(iters):
         run()
+    if sync is not None:
+        sync()
     return time.perf_counter() - t0
 
 
-def _rank_main(rank: int, n: int, backend: str, init: str, ops: list[str], sizes: list[int], out_q) -> None:
+def _rank_main(rank: int, n: int, backend: str, init: str, ops: list[str], sizes: list[int], out_q,
+               device_type: str = "cpu") -> None:
     import torch
     import torch.distributed as dist
     import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
@@ -143,13 +150,19 @@ def _rank_main(rank: int, n: int, backend: str, init: str, ops: list[str], sizes
     if backend == "t3d":
         import t3d  # noqa: F401
     torch.set_num_threads(1)
+    device, sync = None, None
+    if device_type == "cuda":  # one GPU per rank (run() has checked there are enough)
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        sync = torch.cuda.synchronize
     dist.init_process_group(backend, init_method=f"file://{init}" if init else "env://", rank=rank, world_size=n,
                             timeout=timedelta(seconds=300))
-    fake = dist.new_group(backend="fake") if "all_reduce" in ops else None
+    # The dispatch floor (a no-op "fake" group) is a CPU-side measure: CUDA rows go without it.
+    fake = dist.new_group(backend="fake") if "all_reduce" in ops and device is None else None
     # A fresh process runs its first calls slowly (lazy binding, first-touch page faults, cold caches): warm the whole
     # call path up once before the first row, which would otherwise carry it alone.
-    for group in (None, fake):
-        warm_run = _make_op("all_reduce", 8, rank, n, dist, torch, group=group)[0]
+    for group in (None, fake) if fake is not None else (None,):
+        warm_run = _make_op("all_reduce", 8, rank, n, dist, torch, group=group, device=device)[0]
         for _ in range(WARMUP_CALLS):
             warm_run()
     dist.barrier()
@@ -159,9 +172,9 @@ def _rank_main(rank: int, n: int, backend: str, init: str, ops: list[str], sizes
             if not runs_on(op, n):
                 continue
             for nbytes in sizes:
-                run, check, size_b = _make_op(op, nbytes, rank, n, dist, torch)
-                floor_run = (_make_op(op, nbytes, rank, n, dist, torch, group=fake)[0] if op == "all_reduce"
-                             else None)
+                run, check, size_b = _make_op(op, nbytes, rank, n, dist, torch, device=device)
+                floor_run = (_make_op(op, nbytes, rank, n, dist, torch, group=fake)[0]
+                             if op == "all_reduce" and fake is not None else None)
                 # With more ranks than cores, a call that needs every rank's input waits for ranks that are not
                 # running, so each rank gives up its core about once per call: the same no-op loop with one yield
                 # per call shows what that alone costs (its caches and TLB are cold when it runs again).
@@ -176,8 +189,10 @@ def _rank_main(rank: int, n: int, backend: str, init: str, ops: list[str], sizes
                     run()
                     if floor_run is not None:
                         floor_run()
+                if sync is not None:
+                    sync()
                 iters = _budget_iters(iters, (time.perf_counter() - t0) / warm,
-                                      lambda t: _max_over_ranks(t, dist, torch))
+                                      lambda t: _max_over_ranks(t, dist, torch, device))
                 ok = check()
                 per = max(1, iters // BATCHES)
                 spent = floor_spent = switch_spent = 0.0
@@ -189,11 +204,11 @@ def _rank_main(rank: int, n: int, backend: str, init: str, ops: list[str], sizes
                         dist.barrier()
                         switch_spent += _timed(switch_run, per)
                     dist.barrier()
-                    spent += _timed(run, per)
+                    spent += _timed(run, per, sync)
                 # the slowest rank's time is the op's time, as in nccl-tests
                 calls = per * BATCHES
                 stat = torch.tensor([spent / calls, floor_spent / calls, 0.0 if ok else 1.0, switch_spent / calls],
-                                    dtype=torch.float64)
+                                    dtype=torch.float64, device=device)
                 dist.all_reduce(stat, op=dist.ReduceOp.MAX)
                 r = row(op, size_b, stat[0].item(), stat[2].item() == 0)
                 if floor_run is not None:
@@ -207,14 +222,15 @@ def _rank_main(rank: int, n: int, backend: str, init: str, ops: list[str], sizes
         out_q.put(rows)
 
 
-def run_torch_backend(backend: str, n: int, ops: list[str], sizes: list[int], timeout: float) -> list[dict]:
+def run_torch_backend(backend: str, n: int, ops: list[str], sizes: list[int], timeout: float,
+                      device_type: str = "cpu") -> list[dict]:
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_rank_main, args=(r, n, backend, os.path.join(tmp, "init"), ops, sizes, q))
-                 for r in range(n)]
+        procs = [ctx.Process(target=_rank_main, args=(r, n, backend, os.path.join(tmp, "init"), ops, sizes, q,
+                                                      device_type)) for r in range(n)]
         for p in procs:
             p.start()
         try:
@@ -342,8 +358,13 @@ def _header(results: dict, n: int, cores: int, skipped: dict) -> list[str]:
              "",
              f"Machine: {platform.processor() or platform.machine()}, {cores} cores; "
              f"load average at start {results['_load']:.1f}."]
+    if results.get("_device"):
+        lines.append(f"Device: CUDA tensors, one GPU per rank ({results['_device']}); timed loops end with a device "
+                     "synchronisation; no floor (the host's copy bandwidth bounds nothing on a GPU).")
     B_all = results.get("_copy_all_cores")
-    if B_all:
+    if results.get("_device"):
+        pass
+    elif B_all:
         lines.append("Floor: the row's least traffic (every input byte read once, every output byte written once) "
                      f"at B_all = {B_all / 1e9:.1f} GB/s, the copy bandwidth of every core copying at once, measured "
                      "in this run; 't3d at floor' is the floor over t3d's time. No floor where the row's buffers fit "
@@ -460,8 +481,12 @@ def add_parser(sub) -> None:
     p = sub.add_parser("collectives", help="nccl-tests style collective benchmark, backends side by side",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--backends", default="t3d,gloo,mpi",
-                   help="comma list among t3d, gloo, mpi (--hosts: t3d, t3d-flat, gloo)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cpu tensors, or cuda tensors (one GPU per rank; backends t3d, nccl, gloo; refuses in one "
+                        "line without enough GPUs) [cpu]")
+    p.add_argument("--backends", default=None,
+                   help="comma list among t3d, gloo, mpi, and nccl with --device cuda (--hosts: t3d, t3d-flat, "
+                        "gloo) [t3d,gloo,mpi; --device cuda: t3d,nccl]")
     p.add_argument("--ops", default=",".join(OPS), help="comma list among " + ", ".join(OPS))
     p.add_argument("--min", default="8", help="smallest message (bytes; K/M/G suffixes)")
     p.add_argument("--max", default="256M", help="largest message")
@@ -509,14 +534,37 @@ def median_rows(runs: list[list[dict]]) -> list[dict]:
     return out
 
 
+def cuda_refusal(n: int) -> str | None:
+    """Why --device cuda cannot run n ranks here (one line), or None."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return (f"t3d-bench collectives: --device cuda needs a CUDA device; torch {torch.__version__} sees none "
+                f"(torch.cuda.is_available() is False)")
+    have = torch.cuda.device_count()
+    if n > have:
+        return (f"t3d-bench collectives: --device cuda with --nproc {n} needs {n} GPUs, this machine has {have}: "
+                f"NCCL, and so t3d's CUDA path, refuses two ranks on one GPU")
+    return None
+
+
 def run(args) -> int:
     if args.render:
         return _rerender(args.render)
+    device = getattr(args, "device", "cpu")
+    if args.backends is None:
+        args.backends = "t3d,nccl" if device == "cuda" else "t3d,gloo,mpi"
     if args.hosts:
+        if device != "cpu":
+            print("t3d-bench collectives: --hosts runs CPU tensors only (--device cpu)", file=sys.stderr)
+            return 2
         from . import multihost
 
         return multihost.run(args)
     n = args.nproc
+    if device == "cuda" and (why := cuda_refusal(n)):
+        print(why, file=sys.stderr)
+        return 2
     ops = [o for o in args.ops.split(",") if o]
     bad = [o for o in ops if o not in OPS]
     if bad:
@@ -528,16 +576,23 @@ def run(args) -> int:
     sizes = sizes_between(parse_size(args.min), parse_size(args.max))
     results: dict = {"_load": os.getloadavg()[0]}
     skipped: dict = {}
-    B = copy_bandwidth()  # one thread's: recorded beside the run, not a yardstick
-    results["_copy_all_cores"] = copy_bandwidth_all_cores()
     results["_cores"] = os.cpu_count() or 1
-    print(f"copy bandwidth B = {B / 1e9:.1f} GB/s (read+write, one thread), "
-          f"{results['_copy_all_cores'] / 1e9:.1f} GB/s with every core copying; load {results['_load']:.1f}",
-          flush=True)
+    B = None
+    if device == "cpu":  # the host's copy bandwidth: the floor of CPU rows
+        B = copy_bandwidth()  # one thread's: recorded beside the run, not a yardstick
+        results["_copy_all_cores"] = copy_bandwidth_all_cores()
+        print(f"copy bandwidth B = {B / 1e9:.1f} GB/s (read+write, one thread), "
+              f"{results['_copy_all_cores'] / 1e9:.1f} GB/s with every core copying; load {results['_load']:.1f}",
+              flush=True)
+    else:
+        import torch
+
+        results["_device"] = f"{n} x {torch.cuda.get_device_name()}"
+    known = ("t3d", "gloo", "mpi") if device == "cpu" else ("t3d", "nccl", "gloo")
     backends = []
     for b in [x for x in args.backends.split(",") if x]:
-        if b not in ("t3d", "gloo", "mpi"):
-            skipped[b] = "unknown backend (choose among t3d, gloo, mpi)"
+        if b not in known:
+            skipped[b] = f"unknown backend for --device {device} (choose among {', '.join(known)})"
             print(f"skipping {b}: {skipped[b]}", flush=True)
             continue
         if b == "mpi":
@@ -552,8 +607,8 @@ def run(args) -> int:
         for b in [x for x in backends if x not in skipped]:
             t0 = time.time()
             try:
-                rows = run_mpi(n, ops, sizes, args.timeout) if b == "mpi" else run_torch_backend(b, n, ops, sizes,
-                                                                                                args.timeout)
+                rows = (run_mpi(n, ops, sizes, args.timeout) if b == "mpi" else
+                        run_torch_backend(b, n, ops, sizes, args.timeout, device))
             except Exception as exc:  # a peer that fails is reported, not fatal to the others
                 skipped[b] = str(exc)
                 print(f"{b} failed: {exc}", flush=True)
@@ -568,7 +623,7 @@ def run(args) -> int:
     out = output_dir(args.out)
     md = render(results, n, skipped)
     print(md)
-    stem = save_run(out, args.tag or f"collectives-{n}ranks",
+    stem = save_run(out, args.tag or f"collectives-{'cuda-' if device == 'cuda' else ''}{n}ranks",
                     {"nproc": n, "copy_bandwidth": B, "skipped": skipped, "results": results}, md)
     plot(results, n, stem + ".png")
     print(f"saved {stem}.json, .md, .png")
