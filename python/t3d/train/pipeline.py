@@ -93,10 +93,12 @@ class StageTimer:
     """Where a pipeline step's time goes on this rank: compute (the stage's forward and backward chunks, including
     the tensor- and context-parallel collectives inside them) against the schedule's whole step; the difference is
     time spent waiting for the neighbouring stages (the bubble, and the point-to-point transfers, which the waits
-    also cover)."""
+    also cover). On a GPU each timed call ends with a device synchronisation, so that its kernels count where
+    they run (the schedule waits for each microbatch's transfers anyway)."""
 
-    def __init__(self):
+    def __init__(self, sync=None):
         self.fwd = self.bwd = 0.0
+        self.sync = sync
 
     @property
     def compute(self) -> float:
@@ -108,10 +110,14 @@ class StageTimer:
     def wrap(self, stage) -> None:
         def timed(fn, kind):
             def call(*a, **k):
+                if self.sync is not None:
+                    self.sync()
                 t0 = time.perf_counter()
                 try:
                     return fn(*a, **k)
                 finally:
+                    if self.sync is not None:
+                        self.sync()
                     setattr(self, kind, getattr(self, kind) + time.perf_counter() - t0)
             return call
 
@@ -135,7 +141,7 @@ class Pipeline:
         self._lm_config = lm.config
         self._args = (n_stages, local_batch // microbatches, seq_local, device, dtype)
         self._loss_fn = loss_fn
-        self.timer = StageTimer()
+        self.timer = StageTimer(torch.cuda.synchronize if device.type == "cuda" else None)
         self.stages = None
         self.schedule = None
         log(f"pipeline: {schedule}, {n_stages} stages over pp {pp}, {microbatches} microbatches of "
