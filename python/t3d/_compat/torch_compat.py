@@ -253,6 +253,7 @@ def premul_sum_op(factor: float):
 
 
 __all__ = ["CPHooks", "CP_TABLE_LOCATIONS", "TESTED", "backend_registered", "cp_hooks", "cp_load_balance",
-           "cp_unshard", "default_group", "dtensor_local", "fix_fsdp1_optim_state_dict", "flat_param_layout", "flatten_mesh", "group_backend", "premul_sum_op",
+           "cp_unshard", "default_group", "dtensor_local", "fix_fsdp1_optim_state_dict", "flat_param_layout",
+           "flatten_mesh", "group_backend", "premul_sum_op",
            "set_cp_load_balance", "set_cp_rotate_method", "torch_version",
            "wrap_pipeline_stage"]

@@ -167,8 +167,8 @@ class GradNorm:
     Each rank sums the squares of its gradient elements, each weighted by 1 / (the number of ranks holding that same
     element), and one all-reduce over all ranks adds them up: every element of the full gradient counts once. The
     ranks of one pipeline stage (dp x tp x cp of them) hold its parameters; a parameter sharded over some mesh
-    dimensions (TP shards, FSDP2 shards: a DTensor's placements other than Replicate) has that many distinct pieces among them.
-    FSDP1 flattens parameters into FlatParameters; their elements are weighted by the TP sharding of the names
+    dimensions (TP shards, FSDP2 shards: a DTensor's placements other than Replicate) has that many distinct
+    pieces among them. FSDP1 flattens parameters into FlatParameters; their elements are weighted by the TP sharding of the names
     recorded before wrapping. (Upstream calls FSDP's clip_grad_norm_, whose norm under TP is that of the local
     shards only: its own comment that the reported grad norm still needs fixing.)
     """
