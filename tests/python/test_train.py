@@ -184,8 +184,8 @@ def _check_pipeline_summary(m, pp, schedule):
     stages = s["pipeline"]
     assert [t["pp_rank"] for t in stages] == list(range(pp)), stages
     for t in stages:
-        assert t["fwd"] > 0 and t["bwd"] > 0 and t["wait"] >= 0 and t["sync"] > 0, t
-        assert t["fwd"] + t["bwd"] + t["wait"] + t["sync"] <= t["step"] * 1.05 + 1e-3, t
+        assert t["fwd"] > 0 and t["bwd"] > 0 and t["wait"] >= 0 and t["reduce"] > 0 and t["optim"] > 0, t
+        assert t["fwd"] + t["bwd"] + t["wait"] + t["reduce"] + t["optim"] <= t["step"] * 1.05 + 1e-3, t
     per_rank = 2 if schedule == "interleaved-1f1b" else 1
     assert sorted(i for t in stages for i in t["stages"]) == list(range(pp * per_rank)), stages
 

@@ -473,11 +473,13 @@ def _train(args, layout: Layout, device: torch.device, rank: int, log) -> int:
                     timing["compute"], timing["fwd"], timing["bwd"] = (pipe.timer.compute, pipe.timer.fwd,
                                                                        pipe.timer.bwd)
         # Step 6: gradient reduction over cp (FSDP did dp) or dp_cp, then clipping.
-        t_comm = time.perf_counter()
+        t_reduce = time.perf_counter()
         all_reduce_grads(parts, grad_mesh, grad_how)
+        t_optim = time.perf_counter()
         gnorm = grad_norm.clip_(parts, args.max_grad_norm)
         # Step 7: optimizer, and the loss averaged over dp_cp for logging (from the last stage of a pipeline).
         optimizer.step()
+        t_loss = time.perf_counter()
         if pipe is not None:
             loss = torch.zeros((), device=device) if loss is None else loss.to(device)
             dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=world_mesh["pp"].get_group())
@@ -486,8 +488,9 @@ def _train(args, layout: Layout, device: torch.device, rank: int, log) -> int:
             dist.all_reduce(loss_avg, op=dist.ReduceOp.AVG, group=dp_cp_mesh.get_group())
         loss_value = loss_avg.item()
         dt = time.perf_counter() - t0
-        if pipe is not None:
-            timing["sync"] = time.perf_counter() - t_comm  # gradient and loss reductions, clipping, optimizer
+        if pipe is not None:  # the gradient and loss reductions; clipping (one scalar all-reduce) and AdamW
+            timing["reduce"] = (t_optim - t_reduce) + (time.perf_counter() - t_loss)
+            timing["optim"] = t_loss - t_optim
         if prof is not None:
             prof.after(step, dt)
         step += 1

@@ -237,13 +237,14 @@ def check_args(args, layout) -> str | None:
 def gather_stage_times(records: list[dict], pipe: Pipeline) -> list[dict] | None:
     """Every pipeline rank's mean step timing (steps after the first) on the ranks of dp/tp/cp coordinate 0, for
     rank 0's summary: per pipeline rank, its stages, the step, the schedule, compute (forward, backward), waiting
-    for the other stages (the schedule minus compute: the bubble and the transfers) and the reductions after it."""
+    for the other stages (the schedule minus compute: the bubble and the transfers), the gradient and loss
+    reductions after it, and clipping with the optimizer step."""
     import torch.distributed as dist
 
     steady = [r["pipeline"] | {"step": r["step_time"]} for r in records[1:] or records]
     mine = None
     if steady:
-        keys = ("step", "schedule", "compute", "fwd", "bwd", "sync")
+        keys = ("step", "schedule", "compute", "fwd", "bwd", "reduce", "optim")
         mine = {k: sum(t[k] for t in steady) / len(steady) for k in keys}
         mine["wait"] = max(0.0, mine["schedule"] - mine["compute"])
         mine["stages"] = pipe.stage_ids

@@ -70,12 +70,12 @@ def print_summary(s: dict, png: str | None, metrics: str | None) -> None:
     write(f"  step time {s['step_time_mean_s'] * 1000:.1f} ms mean ({s['step_time_median_s'] * 1000:.1f} ms median, "
           f"first step excluded), {s['tokens_per_s']:.0f} tokens/s, {s['train_time_s']:.1f} s in the loop")
     for t in s.get("pipeline") or []:
-        ms = {k: t[k] * 1000 for k in ("step", "fwd", "bwd", "wait", "sync")}
-        rest = max(0.0, ms["step"] - ms["fwd"] - ms["bwd"] - ms["wait"] - ms["sync"])
+        ms = {k: t[k] * 1000 for k in ("step", "fwd", "bwd", "wait", "reduce", "optim")}
+        rest = max(0.0, ms["step"] - sum(ms[k] for k in ("fwd", "bwd", "wait", "reduce", "optim")))
         write(f"  pipeline rank {t['pp_rank']} (stages {', '.join(map(str, t['stages']))}), {s['schedule']}, "
               f"{s['microbatches']} microbatches: step {ms['step']:.1f} ms = forward {ms['fwd']:.1f} + backward "
-              f"{ms['bwd']:.1f} + waiting for other stages (bubble, transfers) {ms['wait']:.1f} + gradient/loss "
-              f"reductions, clipping, optimizer {ms['sync']:.1f} + the rest {rest:.1f}")
+              f"{ms['bwd']:.1f} + waiting for other stages (bubble, transfers) {ms['wait']:.1f} + gradient and loss "
+              f"reductions {ms['reduce']:.1f} + clipping and optimizer {ms['optim']:.1f} + the rest {rest:.1f}")
     if png:
         write(f"  loss curve: {png}")
     if metrics:
