@@ -22,8 +22,9 @@ ctest --test-dir build-asan --output-on-failure -j 1
 
 echo "== Python tests (tests/python, backend t3d), newest stack: $("$VENV/bin/python" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')"
 export OMP_NUM_THREADS=1
-# test_wheel runs below, on the oldest stack's wheel (one wheel build, not two).
-"$VENV/bin/python" -m pytest -q tests/python --ignore=tests/python/test_wheel.py "$@"
+# test_wheel runs below, on the oldest stack's wheel (one wheel build, not two). --durations: the slowest tests, to
+# keep the suite's time in view.
+"$VENV/bin/python" -m pytest -q --durations=25 tests/python --ignore=tests/python/test_wheel.py "$@"
 
 # The oldest stack: the package as `pip wheel .` builds it against that torch, installed (not editable) into the
 # oldest venv, then the wheel's own test and every Python test that touches a version-dependent path.
