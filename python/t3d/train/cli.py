@@ -185,30 +185,37 @@ def _run_once(world: int, run_argv: list[str], out: str):
         return json.load(f)["summary"], wall
 
 
+def _run_rounds(rounds: int, variants: list, prefix: str) -> dict:
+    """Runs every variant (key, world, argv) once per round, the variants taking turns in each round (so that a
+    slow minute of the machine does not land on one only); key -> [(summary, wall) or (None, why)]."""
+    work = tempfile.mkdtemp(prefix=prefix)
+    runs: dict = {}
+    try:
+        for r in range(rounds):
+            for i, (key, world, run_argv) in enumerate(variants):
+                out = os.path.join(work, f"{i}-{r}")
+                s, wall = _run_once(world, run_argv + ["--ckpt-dir", out, "--no-save", "--no-plot", "--no-progress"],
+                                    out)
+                runs.setdefault(key, []).append((s, wall))
+                if s is not None:
+                    print(f"  {' '.join(map(str, key)) if isinstance(key, tuple) else key} run {r + 1}/{rounds}: "
+                          f"{s['step_time_mean_s'] * 1000:.1f} ms/step", file=sys.stderr)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return runs
+
+
 def compare_backends(args, argv: list[str]) -> int:
     """Run each layout on t3d and on gloo, taking turns (t3d, gloo, t3d, gloo, ... so that a slow minute of the
     machine does not land on one backend only), and print a markdown table of median step times and their ratio."""
     cleaned = _clean_argv(argv, {"--compare-backends", "--dp", "--tp", "--cp", "--backend", "--ckpt-dir",
                                  "--metrics-json", "--compare-layouts", "--resume", "--compare-rounds"})
     rounds = max(1, args.compare_rounds)
-    work = tempfile.mkdtemp(prefix="t3d-compare-")
-    runs: dict[tuple[str, str], list] = {}  # (layout, backend) -> [(summary, wall) or (None, why)]
     layouts = [_parse_layout(text) for text in args.compare_layouts.split(",")]
-    try:
-        for layout in layouts:
-            for r in range(rounds):
-                for backend in ("t3d", "gloo"):
-                    out = os.path.join(work, f"{layout}-{backend}-{r}")
-                    run_argv = cleaned + ["--dp", str(layout.dp), "--tp", str(layout.tp), "--cp", str(layout.cp),
-                                          "--backend", backend, "--ckpt-dir", out, "--no-save", "--no-plot",
-                                          "--no-progress"]
-                    s, wall = _run_once(layout.world, run_argv, out)
-                    runs.setdefault((str(layout), backend), []).append((s, wall))
-                    if s is not None:
-                        print(f"  {layout} {backend} run {r + 1}/{rounds}: {s['step_time_mean_s'] * 1000:.1f} "
-                              f"ms/step", file=sys.stderr)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    runs = _run_rounds(rounds, [((str(layout), backend), layout.world,
+                                 cleaned + ["--dp", str(layout.dp), "--tp", str(layout.tp), "--cp", str(layout.cp),
+                                            "--backend", backend])
+                                for layout in layouts for backend in ("t3d", "gloo")], "t3d-compare-")
     print()
     print(f"t3d vs gloo: {args.steps} steps, global batch {args.global_batch} x seq {args.seq_len}, "
           f"{os.cpu_count()} cores; {rounds} alternating run(s) of each; median of the runs' mean step time "
@@ -252,20 +259,8 @@ def compare_schedules(args, argv: list[str], layout) -> int:
     cleaned = _clean_argv(argv, {"--compare-schedules", "--schedule", "--stages-per-rank", "--ckpt-dir",
                                  "--metrics-json", "--resume", "--compare-rounds"})
     rounds = max(1, args.compare_rounds)
-    work = tempfile.mkdtemp(prefix="t3d-schedules-")
-    runs: dict[str, list] = {}
-    try:
-        for r in range(rounds):
-            for name in SCHEDULES:
-                out = os.path.join(work, f"{name}-{r}")
-                s, wall = _run_once(layout.world, cleaned + ["--schedule", name, "--ckpt-dir", out, "--no-save",
-                                                             "--no-plot", "--no-progress"], out)
-                runs.setdefault(name, []).append((s, wall))
-                if s is not None:
-                    print(f"  {layout} {name} run {r + 1}/{rounds}: {s['step_time_mean_s'] * 1000:.1f} ms/step",
-                          file=sys.stderr)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    runs = _run_rounds(rounds, [(name, layout.world, cleaned + ["--schedule", name]) for name in SCHEDULES],
+                       "t3d-schedules-")
     print()
     print(f"pipeline schedules on {layout} ({layout.world} ranks, backend {args.backend}): {args.steps} steps, "
           f"global batch {args.global_batch} x seq {args.seq_len}, {os.cpu_count()} cores; median over {rounds} "

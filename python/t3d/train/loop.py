@@ -358,17 +358,17 @@ def _train(args, layout: Layout, device: torch.device, rank: int, log) -> int:
     t_load = time.perf_counter()
     model = load_model(path, tp_mesh, device, dtype=getattr(torch, args.dtype), log=log)
     loss_fn, vocab = model.loss_function, model.config.vocab_size
+
+    def causal_loss(logits, labels):  # labels already shifted (the packed data's window[1:])
+        return loss_fn(logits=logits, labels=None, shift_labels=labels, vocab_size=vocab)
+
     local_batch = args.global_batch // layout.dp
     pipe = None
     if layout.pp > 1:
         pp_mesh = world_mesh["pp"]
-
-        def pipe_loss(logits, labels):
-            return loss_fn(logits=logits, labels=None, shift_labels=labels, vocab_size=vocab)
-
         pipe = pipeline_mod.Pipeline(model, pp_mesh.get_group(), pp_mesh.get_local_rank(), layout.pp,
                                      args.stages_per_rank, args.schedule, args.microbatches, local_batch,
-                                     args.seq_len // layout.cp, pipe_loss, device, getattr(torch, args.dtype), log)
+                                     args.seq_len // layout.cp, causal_loss, device, getattr(torch, args.dtype), log)
         parts = pipe.parts()
         del model
     else:
@@ -463,7 +463,7 @@ def _train(args, layout: Layout, device: torch.device, rank: int, log) -> int:
                     if step == start_step:
                         log(f"step {step + 1} on rank 0: input_ids {tuple(batch['input_ids'].shape)} "
                             f"(local batch x seq/cp), logits {tuple(outputs.logits.shape)}")
-                    loss = loss_fn(logits=outputs.logits, labels=None, shift_labels=labels, vocab_size=vocab)
+                    loss = causal_loss(outputs.logits, labels)
                     loss.backward()
                 else:
                     pipe.timer.reset()
