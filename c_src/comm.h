@@ -51,7 +51,7 @@ struct t3d_request {
   t3d_redop_t op;
   double scalar;
   unsigned flags;
-  t3d_memtype_t memtype; /* T3D_MEM_CUDA: run through NCCL on stream (c_src/nccl/) */
+  t3d_memtype_t memtype; /* T3D_MEM_CUDA: on stream, through NCCL (c_src/nccl/) or staged (c_src/cudev/) */
   int device;
   void *stream;
   int root; /* also the peer of send/recv */
@@ -80,6 +80,7 @@ struct t3d_request {
 
 typedef struct t3d_nccl t3d_nccl_t;
 typedef struct t3d_hier t3d_hier_t;
+typedef struct t3d_cudev t3d_cudev_t;
 
 struct t3d_comm {
   int rank, size;
@@ -92,12 +93,14 @@ struct t3d_comm {
   t3d_shm_t *shm; /* same-host collectives, or NULL */
   t3d_shm_p2p_t *shm_p2p; /* same-host point-to-point, or NULL (then UCX) */
   t3d_nccl_t *nccl; /* CUDA buffers (c_src/nccl/) */
+  t3d_cudev_t *cudev; /* CUDA buffers of ranks that share a device: staged through host memory (c_src/cudev/) */
   t3d_hier_t *hier; /* across hosts with several ranks on each: the two-level collectives (core/hier.c), or NULL */
   /* The provider whose posted point-to-point completes only when someone runs its passes (shm): t3d_test and
    * t3d_wait drive it for requests marked on_shm (base/request.c). NULL when there is none. */
   const struct t3d_provider *p2p_driver;
   /* Who runs each kind of operation on each kind of memory (core/select.c fills it at init; NULL: nobody). */
   const struct t3d_provider *choice[T3D_OP_GROUP][2];
+  const struct t3d_provider *next_choice[T3D_OP_GROUP][2]; /* the next that fits, when the first declines (takes) */
   char transport[16]; /* what was asked for: auto, ucx or shm (splits inherit it) */
 
   pthread_t thread;

@@ -1,6 +1,7 @@
 /* provider.h: the interface every provider implements. A provider runs operations for some kind of memory and
  * reach: shm/ (every rank on this host: collectives through one shared segment, point-to-point through its rings),
- * ucx/ (the collective algorithms over UCX point-to-point, any host) and nccl/ (CUDA buffers). The engine
+ * ucx/ (the collective algorithms over UCX point-to-point, any host), nccl/ (CUDA buffers) and cudev/ (CUDA buffers
+ * of ranks that share a device, staged through host memory). The engine
  * (core/select.c) walks its table of providers in order and takes the first whose fits() accepts a request; what
  * a provider may call is the base (c_src/base/, the reduction kernels), never the engine. */
 #ifndef T3D_PROVIDER_H
@@ -33,10 +34,14 @@ typedef struct t3d_coll_ops {
 } t3d_coll_ops_t;
 
 typedef struct t3d_provider {
-  const char *name; /* "shm", "ucx", "nccl": also what T3D_PROVIDERS names */
+  const char *name; /* "shm", "cudev", "nccl", "hier", "ucx": also what T3D_PROVIDERS names */
   /* Whether it can run req (a collective or a send / receive) on comm. It may look at req's kind and memtype
    * only: the engine asks once per communicator, kind and memory (core/select.c) and keeps the answers. */
   int (*fits)(const t3d_comm_t *comm, const t3d_request_t *req);
+  /* For a provider whose answer depends on what the ranks find at their first such call (cudev: whether ranks share
+   * a CUDA device), asked at every call it fits, on the caller's thread: 0 hands req to the next provider that
+   * fits. It may talk to the peers through the store. NULL: it takes whatever fits. */
+  int (*takes)(t3d_comm_t *comm, const t3d_request_t *req);
   /* Where its operations run. With `post`, they are issued at once on the caller's thread (NCCL enqueues on the
    * caller's stream; same-host point-to-point is posted into the segment) and complete later, through `progress`
    * or the device; `post_on_caller` says whether that happens on the caller's thread (1) or on the progress thread,
@@ -46,6 +51,10 @@ typedef struct t3d_provider {
   t3d_result_t (*post)(t3d_comm_t *comm, t3d_request_t **reqs, int n, int grouped);
   int post_on_caller;
   const t3d_coll_ops_t *coll; /* NULL: no host collectives (nccl) */
+  /* Runs a whole collective instead of coll (cudev), on the thread that runs requests; it may hand `host` a
+   * request on host memory of the same kind, which the engine runs through the provider it chose for host
+   * memory, front end included. */
+  t3d_result_t (*run)(t3d_exec_t *ex, t3d_request_t *req, t3d_result_t (*host)(t3d_exec_t *ex, t3d_request_t *req));
   /* A collective that starts on the caller's thread (core/submit.c): start_fits says whether req may (the engine
    * is idle and owns comm's state), start publishes this rank's part and returns T3D_OK when the operation
    * finished within a short wait, or T3D_IN_PROGRESS with req->resume set when finish must complete it later (on
@@ -69,5 +78,6 @@ extern const t3d_provider_t t3d__provider_shm;  /* shm/provider.c */
 extern const t3d_provider_t t3d__provider_ucx;  /* ucx/provider.c */
 extern const t3d_provider_t t3d__provider_hier; /* core/hier.c: shm inside hosts + ucx between them */
 extern const t3d_provider_t t3d__provider_nccl; /* nccl/nccl_coll.c */
+extern const t3d_provider_t t3d__provider_cudev; /* cudev/cudev.c: CUDA buffers of ranks sharing a device */
 
 #endif /* T3D_PROVIDER_H */

@@ -2,6 +2,7 @@
  * NCCL's state, the progress thread), destroy, abort, status, and split into subgroups. */
 #include "engine.h"
 #include "base/watch.h"
+#include "cudev/cudev_internal.h"
 #include "nccl/nccl_internal.h"
 
 #include <stdio.h>
@@ -211,6 +212,10 @@ t3d_result_t t3d_comm_init(t3d_comm_t **out, int rank, int size, const t3d_store
   free(host);
   if (res == T3D_OK) {
     res = t3d__nccl_new(&comm->nccl);
+    if (res == T3D_OK) {
+      res = t3d__cudev_new(comm, &comm->cudev);
+      if (res != T3D_OK) t3d__nccl_free(comm->nccl, 0);
+    }
     if (res != T3D_OK) {
       free_hier(comm);
       t3d__watch_leave(comm);
@@ -225,6 +230,7 @@ t3d_result_t t3d_comm_init(t3d_comm_t **out, int rank, int size, const t3d_store
     free_hier(comm);
     t3d__watch_leave(comm);
     t3d__nccl_free(comm->nccl, 0);
+    t3d__cudev_free(comm->cudev);
     t3d__shm_p2p_free(comm->shm_p2p);
     t3d__shm_fini(comm->shm);
     comm->tp->fini(comm->tp_state);
@@ -253,6 +259,7 @@ t3d_result_t t3d_comm_destroy(t3d_comm_t *comm) {
     pthread_join(comm->thread, NULL);
   }
   t3d__nccl_free(comm->nccl, comm->timeout_ms);
+  t3d__cudev_free(comm->cudev);
   free_hier(comm);
   t3d__shm_p2p_free(comm->shm_p2p);
   t3d__shm_fini(comm->shm);

@@ -6,19 +6,22 @@
 #include "provider.h"
 
 /* ---------- choosing a provider (select.c) ---------- */
-/* The providers in the order they are tried (T3D_PROVIDERS, default "shm,nccl,hier,ucx"), NULL-terminated. */
+/* The providers in the order they are tried (T3D_PROVIDERS, default "shm,cudev,nccl,hier,ucx"), NULL-terminated. */
 const t3d_provider_t *const *t3d__providers(void);
 /* Works out, once the communicator is set up, which provider runs each kind of operation on each kind of memory:
  * the first of that list that fits, or NULL (then nothing can run it). */
 void t3d__providers_choose(t3d_comm_t *comm);
-/* That answer for req. */
-static inline const t3d_provider_t *t3d__provider_for(const t3d_comm_t *comm, const t3d_request_t *req) {
-  return comm->choice[req->kind][req->memtype == T3D_MEM_CUDA];
+/* That answer for req: the first that fits, or the next one when the first has `takes` and declines req. */
+static inline const t3d_provider_t *t3d__provider_for(t3d_comm_t *comm, const t3d_request_t *req) {
+  int m = req->memtype == T3D_MEM_CUDA;
+  const t3d_provider_t *p = comm->choice[req->kind][m];
+  if (p != NULL && p->takes != NULL && !p->takes(comm, req)) p = comm->next_choice[req->kind][m];
+  return p;
 }
 /* Whether an operation of req's kind is issued through its provider's post (point-to-point, and everything of a
  * provider without host collectives, i.e. NCCL) rather than run as a collective. */
 static inline int t3d__is_posted(const t3d_request_t *req) {
-  return !t3d__is_collective(req->kind) || req->prov->coll == NULL;
+  return !t3d__is_collective(req->kind) || (req->prov->coll == NULL && req->prov->run == NULL);
 }
 
 /* ---------- running a collective (run.c) ---------- */

@@ -75,8 +75,22 @@ out:
   return res;
 }
 
+/* What a provider with `run` (cudev) hands over: a request on host memory, run through the host provider. */
+static t3d_result_t execute_on_host(t3d_exec_t *ex, t3d_request_t *r) {
+  r->memtype = T3D_MEM_HOST;
+  r->prov = ex->comm->choice[r->kind][0];
+  if (r->prov == NULL || r->prov->coll == NULL) {
+    snprintf(ex->error, sizeof ex->error, "t3d: %s #%llu on group '%s' (rank %d): no provider can run it on host "
+             "memory (T3D_PROVIDERS leaves out the ones that could)", ex->opname, (unsigned long long)ex->seq,
+             ex->comm->name, ex->rank);
+    return T3D_ERR_UNSUPPORTED;
+  }
+  return t3d__execute(ex, r);
+}
+
 t3d_result_t t3d__execute(t3d_exec_t *ex, t3d_request_t *r) {
   if (r->resume) return r->prov->finish(ex, r);
+  if (r->prov->run != NULL) return r->prov->run(ex, r, execute_on_host);
   const t3d_coll_ops_t *c = r->prov->coll;
   size_t esize = r->kind == T3D_OP_BARRIER ? 1 : t3d_dtype_size(r->dtype);
   size_t *b;

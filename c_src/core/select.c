@@ -2,6 +2,8 @@
  * first whose fits() accepts the request runs it:
  *   shm   host memory, every rank of the communicator on this host (the segment exists): collectives, and
  *         point-to-point when every rank can read the others' memory; gather and scatter only without UCX
+ *   cudev CUDA memory of ranks that share a device (NCCL refuses them), decided at the first CUDA call (takes):
+ *         staged through host memory, the collective or transfer run by the host provider
  *   nccl  CUDA memory: everything, on the caller's stream
  *   hier  host memory across hosts with several ranks on each (comm->hier, core/hier.c): allreduce in two levels,
  *         shared memory inside each host and UCX between hosts
@@ -13,8 +15,8 @@
 #include <pthread.h>
 #include <string.h>
 
-static const t3d_provider_t *const all[] = {&t3d__provider_shm, &t3d__provider_nccl, &t3d__provider_hier,
-                                            &t3d__provider_ucx};
+static const t3d_provider_t *const all[] = {&t3d__provider_shm, &t3d__provider_cudev, &t3d__provider_nccl,
+                                            &t3d__provider_hier, &t3d__provider_ucx};
 #define NALL ((int)(sizeof all / sizeof all[0]))
 
 static const t3d_provider_t *chosen[NALL + 1];
@@ -39,7 +41,8 @@ static void choose(void) {
       if (!dup) chosen[n++] = all[i];
     }
     if (!found) {
-      T3D_WARN("T3D_PROVIDERS=%s: ignoring '%.*s' (the providers are shm, nccl, hier, ucx)", want, (int)len, s);
+      T3D_WARN("T3D_PROVIDERS=%s: ignoring '%.*s' (the providers are shm, cudev, nccl, hier, ucx)", want, (int)len,
+               s);
     }
     s += len + (s[len] == ',');
   }
@@ -59,9 +62,12 @@ void t3d__providers_choose(t3d_comm_t *comm) {
       memset(&probe, 0, sizeof probe);
       probe.kind = (t3d_op_kind_t)k;
       probe.memtype = m == 0 ? T3D_MEM_HOST : T3D_MEM_CUDA;
-      comm->choice[k][m] = NULL;
-      for (const t3d_provider_t *const *p = t3d__providers(); *p != NULL && comm->choice[k][m] == NULL; p++) {
-        if ((*p)->fits(comm, &probe)) comm->choice[k][m] = *p;
+      comm->choice[k][m] = comm->next_choice[k][m] = NULL;
+      for (const t3d_provider_t *const *p = t3d__providers(); *p != NULL && comm->next_choice[k][m] == NULL; p++) {
+        if (!(*p)->fits(comm, &probe)) continue;
+        if (comm->choice[k][m] == NULL) comm->choice[k][m] = *p;
+        else comm->next_choice[k][m] = *p;
+        if (comm->choice[k][m]->takes == NULL) break; /* it takes all it fits: no next one is needed */
       }
     }
   }

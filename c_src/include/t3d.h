@@ -95,7 +95,8 @@ void t3d_config_init(t3d_config_t *cfg);
 /* Where a call's buffers live. */
 typedef enum t3d_memtype {
   T3D_MEM_HOST = 0, /* host memory: shared memory between ranks of a host, UCX otherwise */
-  T3D_MEM_CUDA = 1  /* device memory of one CUDA device: through NCCL (libnccl.so.2, loaded at the first such call) */
+  T3D_MEM_CUDA = 1  /* device memory of one CUDA device: through NCCL (libnccl.so.2, loaded at the first such call),
+                     * or staged through host memory where ranks of the group share a device (T3D_CUDA_PATH) */
 } t3d_memtype_t;
 
 /* Per-call options; pass NULL for the defaults. A zeroed struct is the defaults too. */
@@ -109,7 +110,11 @@ typedef struct t3d_opts {
    * in t3d_comm_status. The first CUDA collective of a communicator creates its NCCL communicator, a collective
    * over all its ranks (rank 0 puts NCCL's unique id in the store); a send or receive outside a group uses its own
    * two-rank NCCL communicator, so it needs only its peer. Tags are ignored and T3D_ANY_SOURCE is not supported,
-   * as in NCCL; a communicator serves one CUDA device; barriers always run on the host. */
+   * as in NCCL; a communicator serves one CUDA device; barriers always run on the host.
+   * Ranks that share a device (NCCL refuses them) are found at the first CUDA call (each rank publishes its device's
+   * PCI bus id in the store) and staged instead: the input is copied to host memory on `stream`, the host path runs
+   * the operation, the result is copied back on `stream`, and the request completes once that copy has finished
+   * (a send: once its bytes are on the host and posted). Every dtype and op of the host path then works. */
   t3d_memtype_t memtype;
   int device;
   void *stream;
@@ -225,8 +230,9 @@ const char *t3d_request_error(t3d_request_t *req);
 /* Receives: the sender's rank and the number of elements that arrived. */
 int t3d_request_source(t3d_request_t *req);
 size_t t3d_request_count(t3d_request_t *req);
-/* The provider that runs the operation: "shm" (same-host shared memory), "ucx" (the algorithms over UCX) or "nccl"
- * (CUDA buffers); "" for a group. Chosen when the call is issued (docs/architecture.md, "Providers"). */
+/* The provider that runs the operation: "shm" (same-host shared memory), "ucx" (the algorithms over UCX), "hier"
+ * (shared memory inside hosts, UCX between them), "nccl" (CUDA buffers) or "cudev" (CUDA buffers of ranks that share
+ * a device, staged through host memory); "" for a group. Chosen when the call is issued (docs/architecture.md, "Providers"). */
 const char *t3d_request_provider(const t3d_request_t *req);
 /* Called once, from t3d's progress thread, when the request completes (at once if already complete). It must not
  * block on another t3d request of the same communicator. */

@@ -42,6 +42,9 @@ class FakeNcclEnvironment : public ::testing::Environment {
  public:
   void SetUp() override {
     SetEnv("T3D_NCCL_LIBRARY", T3D_FAKE_NCCL_PATH);
+    // Every rank here names device 0: the NCCL path is under test, not the staged one that ranks sharing a device
+    // would take (test_cudev).
+    SetEnv("T3D_CUDA_PATH", "nccl");
     ASSERT_TRUE(Fake().Open(T3D_FAKE_NCCL_PATH)) << Fake().error;
   }
 };

@@ -1,12 +1,15 @@
 // test_nccl_abi.cc: nccl_abi.h against the real nccl.h, at compile time: every result code, data type, reduction
-// operator and constant, and the layout of the ncclConfig_t head that t3d fills. Built only where nccl.h exists;
-// links nothing from NCCL or CUDA.
+// operator and constant, and the layout of the ncclConfig_t head that t3d fills; and cudart_abi.h (the staged
+// same-device path) against cuda_runtime_api.h: its values and the signatures of the functions it resolves. Built
+// only where nccl.h exists; links nothing from NCCL or CUDA.
+#include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 #include <nccl.h>
 
 #include <cstddef>
 #include <type_traits>
 
+#include "cudev/cudart_abi.h"
 #include "nccl/nccl_abi.h"
 
 namespace {
@@ -122,6 +125,27 @@ SAME_SIGNATURE(GroupStart, ncclGroupStart);
 SAME_SIGNATURE(GroupEnd, ncclGroupEnd);
 static_assert(sizeof(t3d_nccl_comm_t) == sizeof(ncclComm_t), "ncclComm_t is a pointer");
 static_assert(sizeof(t3d_cuda_stream_t) == sizeof(cudaStream_t), "cudaStream_t is a pointer");
+
+// The CUDA runtime (c_src/cudev/cudart_abi.h).
+SAME_VALUE(T3D_CUDA_SUCCESS, cudaSuccess);
+SAME_VALUE(T3D_CUDA_NOT_READY, cudaErrorNotReady);
+SAME_VALUE(T3D_CUDA_MEMCPY_HOST_TO_DEVICE, cudaMemcpyHostToDevice);
+SAME_VALUE(T3D_CUDA_MEMCPY_DEVICE_TO_HOST, cudaMemcpyDeviceToHost);
+static_assert(sizeof(t3d_cuda_error_t) == sizeof(cudaError_t), "cudaError_t is returned by value");
+static_assert(sizeof(t3d_cuda_memcpy_kind_t) == sizeof(cudaMemcpyKind), "cudaMemcpyKind is passed by value");
+static_assert(sizeof(void *) == sizeof(cudaStream_t), "a stream travels as void *");
+// Each function's parameters, one by one, as t3d calls them (the real ones take the runtime's enums and handles).
+static_assert(std::is_same<decltype(&cudaDeviceGetPCIBusId), cudaError_t (*)(char *, int, int)>::value, "");
+static_assert(std::is_same<decltype(&cudaSetDevice), cudaError_t (*)(int)>::value, "");
+static_assert(std::is_same<decltype(&cudaGetDevice), cudaError_t (*)(int *)>::value, "");
+static_assert(std::is_same<decltype(&cudaRuntimeGetVersion), cudaError_t (*)(int *)>::value, "");
+static_assert(std::is_same<decltype(&cudaFreeHost), cudaError_t (*)(void *)>::value, "");
+static_assert(std::is_same<decltype(&cudaStreamQuery), cudaError_t (*)(cudaStream_t)>::value, "");
+static_assert(std::is_same<decltype(&cudaGetErrorString), const char *(*)(cudaError_t)>::value, "");
+static_assert(std::is_same<decltype(static_cast<cudaError_t (*)(void **, size_t)>(&cudaMallocHost)),
+                           cudaError_t (*)(void **, size_t)>::value, "");
+static_assert(std::is_same<decltype(&cudaMemcpyAsync),
+                           cudaError_t (*)(void *, const void *, size_t, cudaMemcpyKind, cudaStream_t)>::value, "");
 
 TEST(NcclAbi, CheckedAtCompileTime) {
   // The static_asserts above are the test; this records the header the build compared against.
