@@ -1,7 +1,9 @@
-# CUDA tensors on backend t3d (NCCL underneath): every collective's values, stream order (results are ready on the
-# caller's stream after wait(), also when the caller works on a side stream), futures, coalescing, DDP, and the
-# errors of mixed devices. The GPU tests skip without a GPU, and the two-rank ones without two (NCCL refuses two
-# ranks on one GPU). One check runs everywhere: what build_info says of CUDA and NCCL.
+# CUDA tensors on backend t3d (NCCL underneath, or staged through host memory where ranks share a GPU): every
+# collective's values, stream order (results are ready on the caller's stream after wait(), also when the caller
+# works on a side stream), futures, coalescing, DDP, FSDP2 and tensor parallelism against one process, and the
+# errors of mixed devices. The GPU tests skip without a GPU; the NCCL ones with two ranks need two GPUs (NCCL
+# refuses two ranks on one), the shared-GPU ones run 2 and 4 ranks on whatever GPUs there are. One check runs
+# everywhere: what build_info says of CUDA and NCCL.
 import pytest
 
 import _dist
@@ -187,6 +189,41 @@ def _p2p(rank, ws):
     return True
 
 
+def _fsdp2_and_tp(rank, ws):
+    """FSDP2 (each rank a share of the batch) and DTensor tensor parallelism (the whole batch) give the gradients
+    of one process."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    dev = _dev(rank)
+
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16)).to(dev)
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(ws * 4, 16, generator=g).to(dev)
+    ref = make()
+    ref(x).square().mean().backward()
+    mesh = init_device_mesh("cuda", (ws,))
+    sharded = make()
+    fully_shard(sharded[0], mesh=mesh)
+    fully_shard(sharded[2], mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
+    sharded(x[rank * 4:(rank + 1) * 4]).square().mean().backward()
+    for p, r in zip(sharded.parameters(), ref.parameters()):
+        assert torch.allclose(p.grad.full_tensor(), r.grad, atol=1e-5), "FSDP2 gradient"
+    tp = parallelize_module(make(), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    out = tp(x)
+    with torch.no_grad():
+        assert torch.allclose(out, ref(x), atol=1e-5), "TP output"
+    out.square().mean().backward()
+    for p, r in zip(tp.parameters(), ref.parameters()):
+        assert torch.allclose(p.grad.full_tensor(), r.grad, atol=1e-5), "TP gradient"
+    return True
+
+
 GPU_CASES = [_collectives, _stream_order, _coalesced_and_objects, _mixed_devices_rejected, _ddp_matches_one_process]
 
 
@@ -200,3 +237,12 @@ def test_one_rank_on_gpu(fn):
 @pytest.mark.parametrize("fn", GPU_CASES + [_p2p], ids=lambda f: f.__name__.strip("_"))
 def test_two_ranks_on_gpus(fn):
     assert _dist.run_world(fn, 2, timeout=180) == [True, True]
+
+
+@NEEDS_GPU
+@pytest.mark.parametrize("ws", [2, 4])
+@pytest.mark.parametrize("fn", GPU_CASES + [_p2p, _fsdp2_and_tp], ids=lambda f: f.__name__.strip("_"))
+def test_ranks_sharing_a_gpu(fn, ws):
+    """More ranks than GPUs (rank r on GPU r % count): NCCL refuses such a group, so t3d stages its CUDA tensors
+    through host memory (c_src/cudev/), in stream order."""
+    assert _dist.run_world(fn, ws, timeout=300) == [True] * ws
