@@ -156,14 +156,16 @@ def test_cuda_mode_refuses_in_one_line_without_a_gpu(bench, stream):
                    f"(torch.cuda.is_available() is False)"), out
 
 
-def test_cuda_collectives_need_a_gpu_per_rank(monkeypatch):
+def test_cuda_collectives_share_a_gpu_only_on_t3d(monkeypatch):
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    assert bc.cuda_refusal(1) is None
-    assert bc.cuda_refusal(2) == ("t3d-bench collectives: --device cuda with --nproc 2 needs 2 GPUs, this machine "
-                                  "has 1: NCCL, and so t3d's CUDA path, refuses two ranks on one GPU")
+    assert bc.cuda_refusal(1, "t3d,nccl") is None
+    assert bc.cuda_refusal(2, "t3d") is None  # t3d alone stages ranks that share the GPU
+    assert bc.cuda_refusal(2, "t3d,nccl") == (
+        "t3d-bench collectives: --device cuda with --nproc 2 on 1 GPU(s) puts ranks on a shared GPU, which nccl "
+        "refuse(s); t3d stages such groups through host memory: --backends t3d")
 
 
 def test_cuda_collective_rows_render_without_a_floor():

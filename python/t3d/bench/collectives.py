@@ -151,7 +151,7 @@ def _rank_main(rank: int, n: int, backend: str, init: str, ops: list[str], sizes
         import t3d  # noqa: F401
     torch.set_num_threads(1)
     device, sync = None, None
-    if device_type == "cuda":  # one GPU per rank (run() has checked there are enough)
+    if device_type == "cuda":  # rank r on GPU r % count (run() has refused peers that cannot share one)
         device = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
         sync = torch.cuda.synchronize
@@ -359,8 +359,9 @@ def _header(results: dict, n: int, cores: int, skipped: dict) -> list[str]:
              f"Machine: {platform.processor() or platform.machine()}, {cores} cores; "
              f"load average at start {results['_load']:.1f}."]
     if results.get("_device"):
-        lines.append(f"Device: CUDA tensors, one GPU per rank ({results['_device']}); timed loops end with a device "
-                     "synchronisation; no floor (the host's copy bandwidth bounds nothing on a GPU).")
+        lines.append(f"Device: CUDA tensors, {results.get('_gpu_layout', 'one GPU per rank')} ({results['_device']}); "
+                     "timed loops end with a device synchronisation; no floor (the host's copy bandwidth bounds "
+                     "nothing on a GPU).")
     B_all = results.get("_copy_all_cores")
     if results.get("_device"):
         pass
@@ -482,8 +483,9 @@ def add_parser(sub) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                   help="cpu tensors, or cuda tensors (one GPU per rank; backends t3d, nccl, gloo; refuses in one "
-                        "line without enough GPUs) [cpu]")
+                   help="cpu tensors, or cuda tensors (rank r on GPU r %% count; backends t3d, nccl, gloo; more "
+                        "ranks than GPUs: t3d only, staged through host memory; refuses in one line without a GPU) "
+                        "[cpu]")
     p.add_argument("--backends", default=None,
                    help="comma list among t3d, gloo, mpi, and nccl with --device cuda (--hosts: t3d, t3d-flat, "
                         "gloo) [t3d,gloo,mpi; --device cuda: t3d,nccl]")
@@ -534,17 +536,19 @@ def median_rows(runs: list[list[dict]]) -> list[dict]:
     return out
 
 
-def cuda_refusal(n: int) -> str | None:
-    """Why --device cuda cannot run n ranks here (one line), or None."""
+def cuda_refusal(n: int, backends: str = "t3d") -> str | None:
+    """Why --device cuda cannot run n ranks of these backends here (one line), or None. More ranks than GPUs share
+    them (rank r on GPU r % count): t3d stages such groups through host memory, NCCL and gloo refuse them."""
     import torch
 
     if not torch.cuda.is_available():
         return (f"t3d-bench collectives: --device cuda needs a CUDA device; torch {torch.__version__} sees none "
                 f"(torch.cuda.is_available() is False)")
     have = torch.cuda.device_count()
-    if n > have:
-        return (f"t3d-bench collectives: --device cuda with --nproc {n} needs {n} GPUs, this machine has {have}: "
-                f"NCCL, and so t3d's CUDA path, refuses two ranks on one GPU")
+    peers = [b for b in backends.split(",") if b and b != "t3d"]
+    if n > have and peers:
+        return (f"t3d-bench collectives: --device cuda with --nproc {n} on {have} GPU(s) puts ranks on a shared GPU, "
+                f"which {', '.join(peers)} refuse(s); t3d stages such groups through host memory: --backends t3d")
     return None
 
 
@@ -562,7 +566,7 @@ def run(args) -> int:
 
         return multihost.run(args)
     n = args.nproc
-    if device == "cuda" and (why := cuda_refusal(n)):
+    if device == "cuda" and (why := cuda_refusal(n, args.backends)):
         print(why, file=sys.stderr)
         return 2
     ops = [o for o in args.ops.split(",") if o]
@@ -587,7 +591,10 @@ def run(args) -> int:
     else:
         import torch
 
-        results["_device"] = f"{n} x {torch.cuda.get_device_name()}"
+        gpus = min(n, torch.cuda.device_count())
+        results["_device"] = f"{gpus} x {torch.cuda.get_device_name()}"
+        if gpus < n:  # t3d only (cuda_refusal): its staged path
+            results["_gpu_layout"] = f"{n} ranks on {gpus} GPU(s), staged through host memory"
     known = ("t3d", "gloo", "mpi") if device == "cpu" else ("t3d", "nccl", "gloo")
     backends = []
     for b in [x for x in args.backends.split(",") if x]:
