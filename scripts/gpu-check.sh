@@ -40,7 +40,10 @@ KIT="$ROOT/.gpu-kit"
 BUILD="$ROOT/build-gpu"
 PY=""
 FORCE_NO_GPU=0
-JOBS="$(nproc)"; [ "$JOBS" -gt 16 ] && JOBS=16
+# The cores this process may use. GNU nproc also honours OMP_NUM_THREADS, which the test suite sets to 1 for its
+# ranks (scripts/test.sh): that is not a limit on the build, so it is left out here.
+cores() { env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc; }
+JOBS="$(cores)"; [ "$JOBS" -gt 16 ] && JOBS=16
 CUDA_ARCHS=90
 CUDA_KERNELS=1
 TARGETS=""
@@ -288,7 +291,7 @@ step_env() {
              --query-gpu=name,driver_version,memory.total,compute_cap --format=csv,noheader 2>&1 | head -n 4 \
              | tr '\n' ' ')"
     fi
-    echo "- machine: $(nproc) cores, $(uname -srm)"
+    echo "- machine: $(cores) cores, $(uname -srm)"
     echo "- python: \`$PY\` ($("$PY" -c 'import platform; print(platform.python_version())' 2>&1))"
     TORCH_DEVICE_BACKEND_AUTOLOAD=0 "$PY" - <<'EOF' 2>&1 || echo "- torch: cannot import"
 import os, sysconfig
@@ -504,7 +507,7 @@ step_ctest() {
   grep -E '\*\*\*Failed|\*\*\*Skipped|\*\*\*Timeout|Not Run' "$STATE/ctest.out" | sed 's/^/    /' >"$STEP_SHOW" || true
   return $rc
 }
-export -f step_env step_kit cmake_args step_configure step_build step_build_nowerror step_stage py_env step_nccl \
+export -f cores step_env step_kit cmake_args step_configure step_build step_build_nowerror step_stage py_env step_nccl \
   crash_preload symbolize_crash \
   pytest_step step_pytest_cuda step_pytest_attention step_bench step_bench_collectives step_ctest
 export NCCL_WHEEL_NAME

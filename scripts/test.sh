@@ -7,7 +7,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 VENV="$(scripts/setup.sh | tail -n 1)"
-JOBS="$(nproc)"
+JOBS="$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)"  # GNU nproc honours OMP_NUM_THREADS, set below for the ranks
 
 echo "== C tests (build/)"
 ctest --test-dir build --output-on-failure -j 1

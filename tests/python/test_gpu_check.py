@@ -52,7 +52,8 @@ def test_prepare_and_build_without_gpu(tmp_path):
         capture_output=True, text=True, timeout=870,
         # The GPU machines' gcc links libstdc++ statically unless told otherwise; so does this build: the staged
         # module must still load the shared libstdc++ (the stage step checks it).
-        env={**os.environ, "LDFLAGS": "-static-libstdc++"})
+        # OMP_NUM_THREADS=1 as scripts/test.sh exports it: the build must still use every core.
+        env={**os.environ, "LDFLAGS": "-static-libstdc++", "OMP_NUM_THREADS": "1"})
     report_path = out / "gpu-check-report.md"
     assert report_path.is_file(), r.stdout[-4000:] + r.stderr[-4000:]
     report = report_path.read_text()
@@ -69,6 +70,13 @@ def test_prepare_and_build_without_gpu(tmp_path):
     assert "building without UCX (T3D_WITH_UCX=OFF)" in report
     assert f"building GoogleTest from {kit}/googletest" in report
     assert "ucx=no" in report  # the staged package was imported and says it has no UCX
+    # Every core builds, whatever OMP_NUM_THREADS says (1 here, which GNU nproc honours): a -j 1 build made this
+    # test the suite's slowest.
+    no_omp = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_THREAD_LIMIT")}
+    cores = int(subprocess.run(["nproc"], env=no_omp, capture_output=True, text=True, check=True).stdout)
+    assert f"- machine: {cores} cores," in report, report
+    assert re.search(rf"\| build \| pass \| \d+ s \| built t3d t3d_kernels t3d_shim with -j {min(cores, 16)} \|",
+                     report), report
     assert re.search(r"_C\.\S+\.so: libstdc\+\+ and torch as resolved \(ldd\):\n```\n(.*\n)*?\s+libstdc\+\+\.so\.6 =>",
                      report), report
     assert (out / "gpu-check-logs.tar.gz").is_file()

@@ -1,4 +1,6 @@
-# t3d-train end to end: real ranks launched through the CLI (torchrun underneath) with hard timeouts.
+# t3d-train end to end: real ranks launched through torchrun, as the CLI launches them, with hard timeouts (the CLI's
+# own launcher, a parent process that starts torchrun, is exercised once, by test_profile_says_where_the_step_goes:
+# the others launch the torchrun command it would, which saves a Python start with torch per run).
 # Equivalence: one process and each parallel layout see the same global batch per step, so their loss curves agree
 # (rtol 1e-4 over 5 steps; fp32, only the reduction order differs). Resume: a checkpoint written under one layout and
 # resumed under another continues the uninterrupted curve. Gloo: refused layouts say why; TP-only runs and matches.
@@ -13,6 +15,7 @@ import pytest
 import _dist
 
 STEPS = 5
+REF_STEPS = 7  # the reference runs on past STEPS: test_resume_across_layouts continues a 5-step run to 7
 RTOL = 1e-4
 ATOL = 1e-5
 RUN_TIMEOUT_S = 240
@@ -35,9 +38,15 @@ def model_cache(tmp_path_factory):
     return str(tmp_path_factory.mktemp("t3d-models"))
 
 
-def _run(model_cache, out_dir, dp, tp, cp, extra=(), backend="t3d", expect_rc=0, pp=1):
-    cmd = [sys.executable, "-m", "t3d.train", "--pp", str(pp), "--dp", str(dp), "--tp", str(tp), "--cp", str(cp),
-           "--backend", backend, "--ckpt-dir", str(out_dir), *COMMON, *extra]
+def _run(model_cache, out_dir, dp, tp, cp, extra=(), backend="t3d", expect_rc=0, pp=1, via_cli=False):
+    """One t3d-train run: one process runs in the CLI's own process; more are started by torchrun, from here
+    (the command the CLI launches: cli.torchrun_command), or with via_cli by the CLI's launcher."""
+    from t3d.train.cli import torchrun_command
+
+    args = ["--pp", str(pp), "--dp", str(dp), "--tp", str(tp), "--cp", str(cp), "--backend", backend,
+            "--ckpt-dir", str(out_dir), *COMMON, *extra]
+    world = pp * dp * tp * cp
+    cmd = [sys.executable, "-m", "t3d.train", *args] if world == 1 or via_cli else torchrun_command(world, args)
     env = dict(os.environ, OMP_NUM_THREADS="1", T3D_MODEL_CACHE=model_cache, PYTHONUNBUFFERED="1")
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
@@ -72,9 +81,10 @@ def _assert_close(got, want, what):
 
 @pytest.fixture(scope="session")
 def reference(model_cache, tmp_path_factory):
-    """One process, no parallelism: the curve every layout must reproduce. Saves at step 3 and at the end."""
+    """One process, no parallelism: the curve every layout must reproduce (REF_STEPS long: the AdamW learning rate
+    is constant, so its first STEPS losses are those of a STEPS-step run). Saves at steps 3 and 6 and at the end."""
     out = tmp_path_factory.mktemp("ref")
-    _, m = _run(model_cache, out, 1, 1, 1, extra=["--ckpt-interval", "3"])
+    _, m = _run(model_cache, out, 1, 1, 1, extra=["--ckpt-interval", "3", "--steps", str(REF_STEPS)])
     losses = _losses(m)
     assert losses[-1] < losses[0], f"loss did not fall: {losses}"
     return out, m
@@ -93,7 +103,7 @@ def test_equivalence(reference, model_cache, tmp_path, dp, tp, cp):
     _, ref = reference
     _, m = _run(model_cache, tmp_path, dp, tp, cp)
     assert m["world"] == dp * tp * cp
-    _assert_close(_losses(m), _losses(ref), f"dp{dp}xtp{tp}xcp{cp} losses")
+    _assert_close(_losses(m), _losses(ref)[:STEPS], f"dp{dp}xtp{tp}xcp{cp} losses")
     _assert_norms_close(m, ref, f"dp{dp}xtp{tp}xcp{cp}")
 
 
@@ -101,7 +111,7 @@ def test_equivalence(reference, model_cache, tmp_path, dp, tp, cp):
 def test_resume_across_layouts(reference, model_cache, tmp_path):
     """1 process -> dp2xtp2 (FSDP + TP) and dp2xtp2 -> 1 process: both continue the uninterrupted curve."""
     ref_dir, ref = reference
-    want = _losses(ref)[3:]
+    want = _losses(ref)[3:STEPS]
     # Single-process checkpoint at step 3, resumed on 4 ranks (FSDP NO_SHARD over dp, TP shards).
     _, m = _run(model_cache, tmp_path / "a", 2, 2, 1,
                 extra=["--resume", os.path.join(str(ref_dir), "step-000003"), "--ckpt-interval", "3"])
@@ -110,9 +120,8 @@ def test_resume_across_layouts(reference, model_cache, tmp_path):
     assert len(m["losses"]) == STEPS, "the curve keeps the checkpoint's history"
     # That run's final checkpoint (step 5, written by FSDP + TP) restarted on one process for two more steps.
     _, m2 = _run(model_cache, tmp_path / "b", 1, 1, 1,
-                 extra=["--resume", str(tmp_path / "a"), "--steps", "7"])
-    _, ref7 = _run(model_cache, tmp_path / "c", 1, 1, 1, extra=["--steps", "7"])
-    _assert_close(_losses(m2), _losses(ref7)[5:], "dp2xtp2 checkpoint resumed on one process")
+                 extra=["--resume", str(tmp_path / "a"), "--steps", str(REF_STEPS)])
+    _assert_close(_losses(m2), _losses(ref)[STEPS:REF_STEPS], "dp2xtp2 checkpoint resumed on one process")
 
 
 @pytest.mark.timeout(600)
@@ -120,7 +129,7 @@ def test_gloo_tp_only_matches_t3d(reference, model_cache, tmp_path):
     _, ref = reference
     _, m = _run(model_cache, tmp_path, 1, 2, 1, backend="gloo")
     assert m["backend"] == "gloo"
-    _assert_close(_losses(m), _losses(ref), "gloo tp2 losses")
+    _assert_close(_losses(m), _losses(ref)[:STEPS], "gloo tp2 losses")
 
 
 @pytest.mark.timeout(600)
@@ -130,7 +139,7 @@ def test_gloo_runs_dp_and_cp_and_matches_t3d(reference, model_cache, tmp_path):
     _, ref = reference
     _, m = _run(model_cache, tmp_path, 2, 1, 2, backend="gloo")
     assert m["backend"] == "gloo"
-    _assert_close(_losses(m), _losses(ref), "gloo dp2xcp2 losses")
+    _assert_close(_losses(m), _losses(ref)[:STEPS], "gloo dp2xcp2 losses")
 
 
 @pytest.mark.timeout(600)
@@ -153,8 +162,10 @@ def test_compare_backends_table(model_cache):
 
 @pytest.mark.timeout(600)
 def test_profile_says_where_the_step_goes(model_cache, tmp_path):
-    proc, _ = _run(model_cache, tmp_path, 1, 2, 1, extra=["--profile", "2"])
+    proc, _ = _run(model_cache, tmp_path, 1, 2, 1, extra=["--profile", "2"], via_cli=True)
     out = proc.stdout + proc.stderr
+    # The CLI launched the two ranks itself, through torchrun.
+    assert "t3d-train: launching -m torch.distributed.run --standalone --nproc-per-node 2 -m t3d.train " in out, out
     m = re.search(r"profile, rank 0, 2 step\(s\) after the first: ([\d.]+) ms per step = compute ([\d.]+) ms \(\d+%\), "
                   r"communication ([\d.]+) ms \(\d+%\), DTensor/FSDP machinery ([\d.]+) ms \(\d+%\), Python and the "
                   r"rest ([\d.]+) ms \(\d+%\)\n  largest self times per step: ", out)
@@ -227,13 +238,13 @@ def test_resume_pp4_as_pp2xdp2_and_as_hsdp(reference, model_cache, tmp_path):
     the stages' global parameter names, and the optimizer state, whatever shards it."""
     _, ref = reference
     _, m = _run(model_cache, tmp_path / "pp4", 1, 1, 1, pp=4, extra=["--ckpt-interval", "3"])
-    _assert_close(_losses(m), _losses(ref), "pp4 losses")
+    _assert_close(_losses(m), _losses(ref)[:STEPS], "pp4 losses")
     step3 = str(tmp_path / "pp4" / "step-000003")
     for name, pp, dp, extra in (("pp2xdp2", 2, 2, []), ("hsdp2x2", 1, 4, ["--dp-shard", "2"])):
         _, m2 = _run(model_cache, tmp_path / name, dp, 1, 1, pp=pp, extra=["--resume", step3, "--no-save", *extra])
         assert m2["start_step"] == 3 and [r["step"] for r in m2["records"]] == [4, 5], name
-        _assert_close(_losses(m2), _losses(ref)[3:], f"pp4 checkpoint resumed on {name}")
-        _assert_norms_close({"records": m2["records"]}, {"records": ref["records"][3:]}, f"resumed on {name}")
+        _assert_close(_losses(m2), _losses(ref)[3:STEPS], f"pp4 checkpoint resumed on {name}")
+        _assert_norms_close({"records": m2["records"]}, {"records": ref["records"][3:STEPS]}, f"resumed on {name}")
 
 
 @pytest.mark.newest_only
