@@ -17,34 +17,8 @@ static int next_small_free(t3d_shm_t *s) {
   return t3d__shm_all_past(s, s->free_small[s->small_steps % T3D_SHM_SMALL_SLOTS]);
 }
 
-/* Single copy (direct.c): the root says where its buffer is and posts; the others read it straight from the root's
- * process into theirs, and the root returns once every reader is done (its buffer may change after that). One copy
- * per reader instead of the root's copy in and each reader's copy out, and no pipeline to fill: measured, 2 ranks,
- * blocking calls (t3d_bench_c -o broadcast), 32 KiB-1 MiB 3.1-64 us -> see docs/architecture.md, "Single copy". */
-static t3d_result_t bcast_direct(t3d_shm_t *s, t3d_exec_t *ex, void *buf, size_t bytes, int root) {
-  t3d_shm_step_t st;
-  t3d__shm_step_begin(s, 2, &st);
-  t3d_result_t res = T3D_OK;
-  if (s->rank == root) {
-    T3D_CHECK(t3d__shm_step_acquire(s, ex, &st));
-    t3d__shm_put_info(s, &st, T3D_OP_BROADCAST, bytes, 0);
-    t3d__shm_put_addr(s, &st, buf);
-    t3d__shm_post(s, st.base + 1);
-    res = t3d__shm_check_peers_op(s, ex, bytes);
-  } else {
-    T3D_CHECK(t3d__shm_wait(s, ex, root, st.base + 1));
-    res = t3d__shm_check_info(s, ex, &st, root, T3D_OP_BROADCAST, bytes);
-    if (res == T3D_OK) {
-      const t3d_shm_info_t *in = t3d__shm_info(s, root, st.h);
-      res = t3d__shm_read_peer(s, ex, root, (int)in->pid, buf, in->addr, bytes);
-    }
-  }
-  return t3d__shm_direct_end(s, ex, st.base + 2, res);
-}
-
 t3d_result_t t3d__shm_broadcast(t3d_exec_t *ex, void *buf, size_t bytes, int root) {
   t3d_shm_t *s = t3d__exec_shm(ex);
-  if (bytes > 0 && t3d__shm_use_direct(s, bytes)) return bcast_direct(s, ex, buf, bytes, root);
   char *b = buf;
   int nt = s->nt && bytes >= s->nt_min;
   for (size_t lo = 0; lo < bytes; lo += s->half) {
@@ -79,8 +53,7 @@ void t3d__shm_bcast_warm(t3d_shm_t *s, size_t bytes) {
 }
 
 int t3d__shm_bcast_fits(t3d_shm_t *s, size_t bytes, int root) {
-  /* Sizes read single copy take the queued path on every rank (ranks must agree on the steps). */
-  if (bytes == 0 || bytes > s->half || t3d__shm_use_direct(s, bytes)) return 0;
+  if (bytes == 0 || bytes > s->half) return 0;
   return root != s->rank || (bytes <= T3D_SHM_SMALL_BYTES ? next_small_free(s) : t3d__shm_next_half_free(s));
 }
 
