@@ -27,8 +27,8 @@
 #   --deadline S         finish within S seconds of the start: a step that no longer fits is skipped, a running
 #                        one is stopped (the device tool's commands run for at most 600 s: use --deadline 570)
 #   --skip A,B           skip these steps (e.g. a second call on the still-warm machine, whose build-gpu/ is kept:
-#                        --skip nccl-1rank,pytest-cuda,pytest-attention-cuda,bench-attention,bench-collectives to run the C
-#                        tests)
+#                        --skip nccl-1rank,pytest-cuda,pytest-attention-cuda,bench-attention,bench-collectives,train-cuda,
+#                        bench-collectives-shared to run the C tests)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 T0=$(date +%s)
@@ -494,6 +494,21 @@ step_bench_collectives() {
   echo "t3d-bench collectives --device cuda --nproc $n --backends t3d,nccl --max 64M" >"$STEP_DETAIL"
   { echo '```'; grep -E '^(#|\|)' "$STATE/bench-collectives.out" | cut -c1-300 | tail -n 80; echo '```'; } >"$STEP_SHOW"
 }
+step_train_cuda() { pytest_step tests/python/test_train_cuda.py; }
+step_bench_collectives_shared() {
+  # Ranks that share a GPU (NCCL refuses them; t3d stages their tensors through host memory): 2 and 4 ranks on
+  # whatever GPUs there are, t3d alone.
+  py_env
+  local n
+  for n in 2 4; do
+    "$PY" -m t3d.bench collectives --device cuda --nproc "$n" --backends t3d \
+      --ops all_reduce,broadcast,all_gather,reduce_scatter --max 16M --out "$STATE/bench-collectives-shared-$n" \
+      --timeout 120 | tee -a "$STATE/bench-collectives-shared.out"
+  done
+  echo "t3d-bench collectives --device cuda --nproc 2 and 4 --backends t3d --max 16M (ranks sharing GPUs)" >"$STEP_DETAIL"
+  { echo '```'; grep -E '^(#|\||Device)' "$STATE/bench-collectives-shared.out" | cut -c1-300 | tail -n 80; echo '```'; } \
+    >"$STEP_SHOW"
+}
 step_ctest() {
   # No C test loads the real libnccl today (the fakes set T3D_NCCL_LIBRARY themselves, test_nccl_missing gets its
   # own from ctest); any that does gets the wheel's library.
@@ -509,7 +524,8 @@ step_ctest() {
 }
 export -f cores step_env step_kit cmake_args step_configure step_build step_build_nowerror step_stage py_env step_nccl \
   crash_preload symbolize_crash \
-  pytest_step step_pytest_cuda step_pytest_attention step_bench step_bench_collectives step_ctest
+  pytest_step step_pytest_cuda step_pytest_attention step_bench step_bench_collectives step_train_cuda \
+  step_bench_collectives_shared step_ctest
 export NCCL_WHEEL_NAME
 
 run_step env 120 step_env
@@ -524,15 +540,18 @@ else
   BUILT=build
 fi
 run_step stage 180 step_stage "$BUILT"
-GPU_STEPS=(nccl-1rank pytest-cuda pytest-attention-cuda bench-attention bench-collectives ctest)
+GPU_STEPS=(nccl-1rank pytest-cuda pytest-attention-cuda bench-attention bench-collectives train-cuda
+           bench-collectives-shared ctest)
 if [ -n "$NO_GPU_REASON" ]; then
   for s in "${GPU_STEPS[@]}"; do skip_step "$s" "no GPU ($NO_GPU_REASON)"; done
 else
   run_step nccl-1rank 240 step_nccl stage
-  run_step pytest-cuda 420 step_pytest_cuda stage
+  run_step pytest-cuda 600 step_pytest_cuda stage
   run_step pytest-attention-cuda 300 step_pytest_attention stage
   run_step bench-attention 240 step_bench stage
   run_step bench-collectives 200 step_bench_collectives stage
+  run_step train-cuda 420 step_train_cuda stage
+  run_step bench-collectives-shared 240 step_bench_collectives_shared stage
   run_step ctest 900 step_ctest "$BUILT"
 fi
 
