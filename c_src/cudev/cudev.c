@@ -25,7 +25,8 @@ struct t3d_cudev {
   char **ids;         /* per rank: "host|bus id", NULL until read */
   int nids;
   int route;          /* of collectives and grouped point-to-point */
-  char error[512];    /* why the staged path cannot run, or "" */
+  char error[512];    /* why the ranks' devices are unknown, or "" */
+  int warned;         /* that was logged */
   /* The staging buffer of collectives (only the thread that runs requests uses it): pinned when cudaMallocHost
    * gives it, so that the copies run asynchronously on the copy engines. */
   unsigned char *buf;
@@ -161,8 +162,11 @@ static int cudev_takes(t3d_comm_t *comm, const t3d_request_t *req) {
   } else {
     staged = group_route(comm, st, req->device) == ROUTE_STAGED;
   }
-  if (st->error[0] != '\0') T3D_WARN("t3d: group '%s': cannot tell which ranks share a CUDA device, so NCCL runs "
-                                     "its CUDA tensors: %s", comm->name, st->error);
+  if (st->error[0] != '\0' && !st->warned) {
+    st->warned = 1;
+    T3D_WARN("t3d: group '%s': cannot tell which ranks share a CUDA device, so NCCL runs its CUDA tensors: %s",
+             comm->name, st->error);
+  }
   pthread_mutex_unlock(&st->mu);
   return staged;
 }
