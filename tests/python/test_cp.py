@@ -63,6 +63,80 @@ def _cp_checks(rank, ws):
     return done
 
 
+def _cuda_op_handlers(rank, ws):
+    """t3d's handlers of the CUDA SDPA ops (flash, efficient; opt-in on CUDA, T3D_CP_CUDA=1), called directly with
+    CPU DTensors: the ring they run is device-generic, so their arguments, their outputs (the op schemas' tuples) and
+    their values are checked here; the GPU check compares them with torch's own on a GPU (test_cuda.py)."""
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    import t3d.cp
+
+    aten = torch.ops.aten
+    mesh = init_device_mesh("cpu", (ws,))
+    t3d.cp.set_load_balance(False)  # contiguous chunks, as distribute_tensor shards the sequence
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 8 * ws, 16, requires_grad=True) for _ in range(3))
+    checked = []
+    for causal in (True, False):
+        ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        g = torch.randn_like(ref)
+        want = torch.autograd.grad(ref, (q, k, v), g)
+        qd, kd, vd, gd = (distribute_tensor(x.detach(), mesh, [Shard(2)]) for x in (q, k, v, g))
+
+        res = t3d.cp._handler(aten._scaled_dot_product_flash_attention.default, (qd, kd, vd, 0.0, causal), {})
+        assert len(res) == 9 and res[2] is None and res[3] is None and (res[4], res[5]) == (8, 8), res
+        assert all(isinstance(t, DTensor) for t in (res[0], res[1], res[6], res[7], res[8]))
+        torch.testing.assert_close(res[0].full_tensor(), ref.detach(), atol=2e-5, rtol=2e-5)
+        grads = t3d.cp._handler(aten._scaled_dot_product_flash_attention_backward.default,
+                                (gd, qd, kd, vd, res[0], res[1], *res[2:6], 0.0, causal, res[6], res[7]),
+                                {"scale": None})
+        for got, w, name in zip(grads, want, "qkv"):
+            torch.testing.assert_close(got.full_tensor(), w, atol=5e-5, rtol=5e-5, msg=lambda m: f"flash d{name}: {m}")
+
+        res = t3d.cp._handler(aten._scaled_dot_product_efficient_attention.default,
+                              (qd, kd, vd, None, True, 0.0, causal), {})
+        assert len(res) == 4 and all(isinstance(t, DTensor) for t in res), res
+        torch.testing.assert_close(res[0].full_tensor(), ref.detach(), atol=2e-5, rtol=2e-5)
+        grads = t3d.cp._handler(aten._scaled_dot_product_efficient_attention_backward.default,
+                                (gd, qd, kd, vd, None, res[0], res[1], res[2], res[3], 0.0, [True, True, True, False],
+                                 causal), {})
+        assert len(grads) == 4 and grads[3] is None
+        for got, w, name in zip(grads, want, "qkv"):
+            torch.testing.assert_close(got.full_tensor(), w, atol=5e-5, rtol=5e-5,
+                                       msg=lambda m: f"efficient d{name}: {m}")
+        checked.append(causal)
+    t3d.cp.set_load_balance(True)
+    return checked
+
+
+@pytest.mark.timeout(150)
+def test_cuda_op_handlers_on_cpu_tensors():
+    assert _dist.run_world(_cuda_op_handlers, 2, timeout=120) == [[True, False]] * 2
+
+
+def test_cuda_handlers_are_opt_in_and_give_torchs_back():
+    import t3d.cp
+
+    aten = torch.ops.aten
+    _, table = t3d.cp._hook_table()
+    ops = (aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention_backward.default)
+    before = {op: table.get(op) for op in ops}
+    try:
+        t3d.cp.enable()  # T3D_CP_CUDA unset: torch's own handlers stay
+        assert not t3d.cp.cuda_enabled() and all(table.get(op) is before[op] for op in ops)
+        t3d.cp.enable(cuda=True)
+        assert t3d.cp.cuda_enabled() and all(table[op] is t3d.cp._handler for op in ops)
+        t3d.cp.enable(cuda=False)
+        assert not t3d.cp.cuda_enabled() and all(table.get(op) is before[op] for op in ops)
+        t3d.cp.enable(cuda=True)
+        t3d.cp.disable()
+        assert all(table.get(op) is before[op] for op in ops)
+    finally:
+        t3d.cp.enable(cuda=False)
+
+
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("ws", [2, 4])
 def test_context_parallel_cpu_matches_single_process(ws):

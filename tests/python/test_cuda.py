@@ -1,9 +1,9 @@
 # CUDA tensors on backend t3d (NCCL underneath, or staged through host memory where ranks share a GPU): every
 # collective's values, stream order (results are ready on the caller's stream after wait(), also when the caller
-# works on a side stream), futures, coalescing, DDP, FSDP2 and tensor parallelism against one process, and the
-# errors of mixed devices. The GPU tests skip without a GPU; the NCCL ones with two ranks need two GPUs (NCCL
-# refuses two ranks on one), the shared-GPU ones run 2 and 4 ranks on whatever GPUs there are. One check runs
-# everywhere: what build_info says of CUDA and NCCL.
+# works on a side stream), futures, coalescing, DDP, FSDP2, tensor parallelism and context parallelism (torch's
+# ring and t3d's CUDA kernels) against one process, and the errors of mixed devices. The GPU tests skip without a
+# GPU; the NCCL ones with two ranks need two GPUs (NCCL refuses two ranks on one), the shared-GPU ones run 2 and 4
+# ranks on whatever GPUs there are. One check runs everywhere: what build_info says of CUDA and NCCL.
 import pytest
 
 import _dist
@@ -224,6 +224,38 @@ def _fsdp2_and_tp(rank, ws):
     return True
 
 
+def _cp_t3d_against_torch(rank, ws):
+    """Context parallelism on CUDA tensors: torch's own ring (its flash / efficient kernels) and t3d's (its CUDA
+    attention kernels, t3d.cp.enable(cuda=True)) on the same layout, each against one process's SDPA."""
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import t3d.cp
+    from t3d._compat.torch_compat import cp_unshard
+
+    dev = _dev(rank)
+    mesh = init_device_mesh("cuda", (ws,))
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 64 * ws, 64, device=dev, dtype=torch.bfloat16) for _ in range(3))
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    try:
+        for who in ("torch", "t3d"):
+            t3d.cp.enable(cuda=who == "t3d")
+            for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+                qc, kc, vc = (x.clone().requires_grad_() for x in (q, k, v))
+                with sdpa_kernel([backend]), context_parallel(mesh, buffers=[qc, kc, vc], buffer_seq_dims=[2, 2, 2]):
+                    out = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True)
+                    out.float().square().mean().backward()
+                    full = cp_unshard(mesh, [out.detach()], [2])[0]
+                torch.testing.assert_close(full.float(), ref.float(), atol=2e-2, rtol=2e-2,
+                                           msg=lambda m: f"{who} {backend}: {m}")
+    finally:
+        t3d.cp.enable(cuda=False)
+    return True
+
+
 GPU_CASES = [_collectives, _stream_order, _coalesced_and_objects, _mixed_devices_rejected, _ddp_matches_one_process]
 
 
@@ -241,7 +273,8 @@ def test_two_ranks_on_gpus(fn):
 
 @NEEDS_GPU
 @pytest.mark.parametrize("ws", [2, 4])
-@pytest.mark.parametrize("fn", GPU_CASES + [_p2p, _fsdp2_and_tp], ids=lambda f: f.__name__.strip("_"))
+@pytest.mark.parametrize("fn", GPU_CASES + [_p2p, _fsdp2_and_tp, _cp_t3d_against_torch],
+                         ids=lambda f: f.__name__.strip("_"))
 def test_ranks_sharing_a_gpu(fn, ws):
     """More ranks than GPUs (rank r on GPU r % count): NCCL refuses such a group, so t3d stages its CUDA tensors
     through host memory (c_src/cudev/), in stream order."""
