@@ -82,7 +82,10 @@ static void set_error(t3d_cudev_t *st, const char *fmt, ...) {
 static const char *identity(t3d_comm_t *comm, t3d_cudev_t *st, int device, int p) {
   if (st->ids == NULL) {
     st->ids = calloc((size_t)comm->size, sizeof *st->ids);
-    if (st->ids == NULL) return NULL;
+    if (st->ids == NULL) {
+      set_error(st, "rank %d: out of memory", comm->rank);
+      return NULL;
+    }
     st->nids = comm->size;
     const char *why = NULL;
     const t3d_cudart_api_t *api = t3d__cudart_api(&why);
@@ -147,14 +150,19 @@ static int group_route(t3d_comm_t *comm, t3d_cudev_t *st, int device) {
   return st->route;
 }
 
-/* The provider's `takes`, on the caller's thread at issue. A failure to find out is taken as staged when
- * T3D_CUDA_PATH=staged would have staged anyway; otherwise NCCL runs it (and says what it thinks). */
+/* The provider's `takes`, on the caller's thread at issue. When the ranks' devices cannot be found out (no CUDA
+ * runtime, a store that fails), NCCL gets this call and every later one (it then says what it thinks of them), and
+ * the reason is logged once. */
 static int cudev_takes(t3d_comm_t *comm, const t3d_request_t *req) {
   t3d_cudev_t *st = comm->cudev;
   if (st == NULL || st->path == PATH_NCCL) return 0;
   if (st->path == PATH_STAGED) return 1;
   if (comm->size == 1) return 0;
   pthread_mutex_lock(&st->mu);
+  if (st->error[0] != '\0') {
+    pthread_mutex_unlock(&st->mu);
+    return 0;
+  }
   int staged;
   int pair = !t3d__is_collective(req->kind) && comm->group_depth == 0 && req->root >= 0;
   if (pair) {
