@@ -167,6 +167,8 @@ void ReferenceReduce(t3d_dtype_t dt, t3d_redop_t op, int nranks, void *out, size
 double Tolerance(t3d_dtype_t dt, t3d_redop_t op);
 // Compares n elements; returns "" when equal within tol, else a message naming the first bad element.
 std::string CompareBuffers(t3d_dtype_t dt, const void *got, const void *expect, size_t n, double tol);
+// "" when the two byte buffers are equal; else the first byte that differs ("byte 12: got 3, want 4").
+std::string ByteDiff(const std::vector<unsigned char> &got, const std::vector<unsigned char> &want);
 
 // Data-movement collectives: a deterministic byte pattern per (rank, element) that is a valid dt value.
 void FillPattern(t3d_dtype_t dt, int rank, void *buf, size_t n, size_t first = 0, int salt = 0);

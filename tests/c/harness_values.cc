@@ -311,4 +311,12 @@ std::string CaseName(t3d_dtype_t dt, t3d_redop_t op, size_t count) {
   return os.str();
 }
 
+std::string ByteDiff(const std::vector<unsigned char> &got, const std::vector<unsigned char> &want) {
+  if (got.size() != want.size()) return "sizes differ";
+  for (size_t b = 0; b < got.size(); ++b)
+    if (got[b] != want[b])
+      return "byte " + std::to_string(b) + ": got " + std::to_string(got[b]) + ", want " + std::to_string(want[b]);
+  return "";
+}
+
 }  // namespace t3dtest

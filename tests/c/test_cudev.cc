@@ -102,14 +102,6 @@ t3d_opts_t Cuda(t3d_dtype_t dt, int rank, int device) {
 
 std::string Tag(int rank, const std::string &what) { return "rank " + std::to_string(rank) + ": " + what; }
 
-std::string ByteDiff(const Buf &got, const Buf &want) {
-  if (got.size() != want.size()) return "sizes differ";
-  for (size_t b = 0; b < got.size(); ++b)
-    if (got[b] != want[b])
-      return "byte " + std::to_string(b) + ": got " + std::to_string(got[b]) + ", want " + std::to_string(want[b]);
-  return "";
-}
-
 // Sets T3D_CUDA_PATH for one scope (read when a communicator is made).
 class CudaPath {
  public:

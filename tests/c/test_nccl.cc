@@ -201,14 +201,6 @@ std::vector<size_t> MoveCounts(t3d_dtype_t dt) {
   return c;
 }
 
-std::string ByteDiff(const Buf &got, const Buf &want) {
-  if (got.size() != want.size()) return "sizes differ";
-  for (size_t b = 0; b < got.size(); ++b)
-    if (got[b] != want[b])
-      return "byte " + std::to_string(b) + ": got " + std::to_string(got[b]) + ", want " + std::to_string(want[b]);
-  return "";
-}
-
 RunOptions Named() {
   RunOptions o;
   o.name = kGroupName;
