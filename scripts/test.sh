@@ -6,11 +6,18 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
+# How long each stage took, printed at the end (the suite should stay well under 30 minutes on 2 cores).
+TIMES=""
+T_STAGE=$SECONDS
+stage_done() { TIMES="$TIMES$1 $((SECONDS - T_STAGE)) s, "; T_STAGE=$SECONDS; }
+trap 'echo "== stage times: ${TIMES}total $SECONDS s"' EXIT
 VENV="$(scripts/setup.sh | tail -n 1)"
+stage_done "setup+build"
 JOBS="$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)"  # GNU nproc honours OMP_NUM_THREADS, set below for the ranks
 
 echo "== C tests (build/)"
 ctest --test-dir build --output-on-failure -j 1
+stage_done "C"
 
 echo "== C tests under AddressSanitizer + UndefinedBehaviorSanitizer (build-asan/)"
 cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DT3D_SANITIZE=address,undefined -DT3D_BUILD_SHIM=OFF >/dev/null
@@ -19,12 +26,14 @@ cmake --build build-asan -j "$JOBS" >/dev/null
 export LSAN_OPTIONS="suppressions=$ROOT/.ci/lsan.supp:print_suppressions=0"
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
 ctest --test-dir build-asan --output-on-failure -j 1
+stage_done "ASan build+C"
 
 echo "== Python tests (tests/python, backend t3d), newest stack: $("$VENV/bin/python" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')"
 export OMP_NUM_THREADS=1
 # test_wheel runs below, on the oldest stack's wheel (one wheel build, not two). --durations: the slowest tests, to
 # keep the suite's time in view.
 "$VENV/bin/python" -m pytest -q --durations=25 tests/python --ignore=tests/python/test_wheel.py "$@"
+stage_done "Python newest"
 
 # The oldest stack: the package as `pip wheel .` builds it against that torch, installed (not editable) into the
 # oldest venv, then the wheel's own test and every Python test that touches a version-dependent path.
@@ -35,8 +44,10 @@ rm -rf build-oldest/dist
   -Cbuild-dir=build-oldest/skbuild
 WHEEL="$(ls build-oldest/dist/t3d-*.whl)"
 "$OLD/bin/python" -m pip install -q --no-deps --force-reinstall "$WHEEL"
+stage_done "oldest setup+wheel"
 T3D_TEST_WHEEL="$ROOT/$WHEEL" "$OLD/bin/python" -m pytest -q tests/python/test_wheel.py
 "$OLD/bin/python" -m pytest -q tests/python/test_compat.py tests/python/test_cp.py tests/python/test_ring_attention.py \
   tests/python/test_hf_attention.py tests/python/test_pipeline.py tests/python/test_train.py \
   tests/python/test_upstream_example.py tests/python/test_dcp.py tests/python/test_dtensor.py \
   tests/python/test_fsdp.py tests/python/test_build_info.py -m "not newest_only"
+stage_done "Python oldest"
