@@ -51,6 +51,9 @@ static inline int t3d__overlap(const void *a, size_t na, const void *b, size_t n
   uintptr_t x = (uintptr_t)a, y = (uintptr_t)b;
   return na > 0 && nb > 0 && x < y + nb && y < x + na;
 }
+/* Byte range [lo, hi) covered by the non-empty blocks (counts and displacements in elements of es bytes); [0, 0)
+ * when every block is empty. */
+void t3d__block_extent(int n, const size_t *counts, const size_t *displs, size_t es, size_t *lo, size_t *hi);
 /* Nonzero when the receive blocks of an alltoallv share a byte with its send blocks (counts and displacements in
  * elements of es bytes). */
 int t3d__alltoall_overlaps(int n, const void *sendbuf, const size_t *scounts, const size_t *sdispls,

@@ -117,8 +117,7 @@ const char *t3d_version_string(void) { return "0.1.0"; }
 /* T3D_BUILD_FEATURES: put together by c_src/CMakeLists.txt. */
 const char *t3d_build_features(void) { return T3D_BUILD_FEATURES; }
 
-/* Byte range [lo, hi) covered by the non-empty blocks (counts and displacements in elements of es bytes). */
-static void block_extent(int n, const size_t *counts, const size_t *displs, size_t es, size_t *lo, size_t *hi) {
+void t3d__block_extent(int n, const size_t *counts, const size_t *displs, size_t es, size_t *lo, size_t *hi) {
   *lo = SIZE_MAX;
   *hi = 0;
   for (int p = 0; p < n; p++) {
@@ -132,8 +131,8 @@ static void block_extent(int n, const size_t *counts, const size_t *displs, size
 int t3d__alltoall_overlaps(int n, const void *sendbuf, const size_t *scounts, const size_t *sdispls,
                            const void *recvbuf, const size_t *rcounts, const size_t *rdispls, size_t es) {
   size_t slo, shi, rlo, rhi;
-  block_extent(n, scounts, sdispls, es, &slo, &shi);
-  block_extent(n, rcounts, rdispls, es, &rlo, &rhi);
+  t3d__block_extent(n, scounts, sdispls, es, &slo, &shi);
+  t3d__block_extent(n, rcounts, rdispls, es, &rlo, &rhi);
   return t3d__overlap((const char *)sendbuf + slo, shi - slo, (const char *)recvbuf + rlo, rhi - rlo);
 }
 
@@ -146,7 +145,7 @@ t3d_result_t t3d__alltoall_source(int n, const void *sendbuf, const size_t *scou
   *bias = 0;
   *copy = NULL;
   if (!t3d__alltoall_overlaps(n, sendbuf, scounts, sdispls, recvbuf, rcounts, rdispls, es)) return T3D_OK;
-  block_extent(n, scounts, sdispls, es, &slo, &shi);
+  t3d__block_extent(n, scounts, sdispls, es, &slo, &shi);
   char *c = malloc(shi - slo);
   if (c == NULL) return T3D_ERR_NO_MEMORY;
   memcpy(c, sb + slo, shi - slo);

@@ -241,80 +241,83 @@ static const t3d_cudart_api_t *device_api(int device, char *err, size_t errlen) 
 
 /* ---------- collectives ---------- */
 
-/* Where a collective's bytes are: `in` bytes read from `src` on the device into the host input, `out` bytes of host
- * output, of which the blocks in the copy-back list return to the device. */
+/* Where a collective's bytes are: `in` bytes read from `src` on the device into the host input; `out` bytes of host
+ * output (all of which the host call may write), of which `back` bytes from its start return to the device, or,
+ * with `blocks`, only the receive blocks (rcounts, rdispls), so that gaps between them keep their bytes. */
 typedef struct {
   const void *src;
-  size_t in, out;
+  size_t in, out, back;
+  int blocks;
   int in_to_out; /* a broadcast: the root's buffer is read into the output (the host call's only buffer) */
 } layout_t;
 
-static size_t extent(const size_t *counts, const size_t *displs, int n) {
-  size_t e = 0;
-  for (int p = 0; p < n; p++) {
-    if (counts[p] != 0 && displs[p] + counts[p] > e) e = displs[p] + counts[p];
-  }
-  return e;
+/* The bytes [0, end) that blocks cover. */
+static size_t extent(int n, const size_t *counts, const size_t *displs, size_t es) {
+  size_t lo, hi;
+  t3d__block_extent(n, counts, displs, es, &lo, &hi);
+  return hi;
 }
 
 static layout_t layout_of(const t3d_request_t *r, int rank, int size) {
   size_t es = t3d_dtype_size(r->dtype), n = r->count * es;
-  layout_t l = {r->sendbuf, 0, 0, 0};
+  int root = rank == r->root;
+  layout_t l = {r->sendbuf, 0, 0, 0, 0, 0};
   switch (r->kind) {
-    case T3D_OP_ALLREDUCE: l.in = l.out = n; break;
-    case T3D_OP_REDUCE: l.in = n; l.out = (rank == r->root || r->recvbuf != NULL) ? n : 0; break;
-    case T3D_OP_REDUCE_SCATTERV: l.in = n; l.out = r->rcounts[rank] * es; break;
+    case T3D_OP_ALLREDUCE: l.in = l.out = l.back = n; break;
+    case T3D_OP_REDUCE:
+      l.in = n;
+      l.out = (root || r->recvbuf != NULL) ? n : 0;
+      l.back = root ? n : 0;
+      break;
+    case T3D_OP_REDUCE_SCATTERV: l.in = n; l.out = l.back = r->rcounts[rank] * es; break;
     case T3D_OP_BROADCAST:
       l.src = r->recvbuf;
-      l.in = rank == r->root ? n : 0;
+      l.in = root ? n : 0;
       l.out = n;
+      l.back = root ? 0 : n;
       l.in_to_out = 1;
       break;
-    case T3D_OP_ALLGATHERV: l.in = n; l.out = extent(r->rcounts, r->rdispls, size) * es; break;
-    case T3D_OP_GATHER: l.in = n; l.out = (rank == r->root || r->recvbuf != NULL) ? n * (size_t)size : 0; break;
-    case T3D_OP_SCATTER: l.in = rank == r->root ? n * (size_t)size : 0; l.out = n; break;
+    case T3D_OP_ALLGATHERV:
+      l.in = n;
+      l.out = extent(size, r->rcounts, r->rdispls, es);
+      l.blocks = 1;
+      break;
+    case T3D_OP_GATHER:
+      l.in = n;
+      l.out = (root || r->recvbuf != NULL) ? n * (size_t)size : 0;
+      l.back = root ? n * (size_t)size : 0;
+      break;
+    case T3D_OP_SCATTER: l.in = root ? n * (size_t)size : 0; l.out = l.back = n; break;
     case T3D_OP_ALLTOALLV:
-      l.in = extent(r->scounts, r->sdispls, size) * es;
-      l.out = extent(r->rcounts, r->rdispls, size) * es;
+      l.in = extent(size, r->scounts, r->sdispls, es);
+      l.out = extent(size, r->rcounts, r->rdispls, es);
+      l.blocks = 1;
       break;
     default: break;
   }
   return l;
 }
 
-/* Copies the result back: only the bytes the collective wrote, so that what lies between blocks (displacements
- * with gaps) stays as it was. Adjacent blocks go in one copy. */
-static t3d_result_t copy_back(const t3d_cudart_api_t *api, const t3d_request_t *r, int rank, int size,
+/* Copies the result back (layout_t says which bytes); adjacent blocks go in one copy. */
+static t3d_result_t copy_back(const t3d_cudart_api_t *api, const t3d_request_t *r, const layout_t *l, int size,
                               const unsigned char *host, char *err, size_t errlen) {
-  size_t es = t3d_dtype_size(r->dtype), n = r->count * es;
   unsigned char *dev = r->recvbuf;
-  switch (r->kind) {
-    case T3D_OP_ALLREDUCE: return copy(api, dev, host, n, 1, r->stream, err, errlen);
-    case T3D_OP_REDUCE: return rank == r->root ? copy(api, dev, host, n, 1, r->stream, err, errlen) : T3D_OK;
-    case T3D_OP_REDUCE_SCATTERV: return copy(api, dev, host, r->rcounts[rank] * es, 1, r->stream, err, errlen);
-    case T3D_OP_BROADCAST: return rank == r->root ? T3D_OK : copy(api, dev, host, n, 1, r->stream, err, errlen);
-    case T3D_OP_GATHER:
-      return rank == r->root ? copy(api, dev, host, n * (size_t)size, 1, r->stream, err, errlen) : T3D_OK;
-    case T3D_OP_SCATTER: return copy(api, dev, host, n, 1, r->stream, err, errlen);
-    case T3D_OP_ALLGATHERV:
-    case T3D_OP_ALLTOALLV: {
-      size_t from = 0, len = 0; /* the run of adjacent blocks not yet copied, in bytes */
-      for (int p = 0; p <= size; p++) {
-        size_t off = p < size ? r->rdispls[p] * es : 0, bytes = p < size ? r->rcounts[p] * es : 0;
-        if (p < size && bytes == 0) continue;
-        if (p < size && len > 0 && off == from + len) {
-          len += bytes;
-          continue;
-        }
-        t3d_result_t res = copy(api, dev + from, host + from, len, 1, r->stream, err, errlen);
-        if (res != T3D_OK) return res;
-        from = off;
-        len = bytes;
-      }
-      return T3D_OK;
+  if (!l->blocks) return copy(api, dev, host, l->back, 1, r->stream, err, errlen);
+  size_t es = t3d_dtype_size(r->dtype);
+  size_t from = 0, len = 0; /* the run of adjacent blocks not yet copied, in bytes */
+  for (int p = 0; p <= size; p++) {
+    size_t off = p < size ? r->rdispls[p] * es : 0, bytes = p < size ? r->rcounts[p] * es : 0;
+    if (p < size && bytes == 0) continue;
+    if (p < size && len > 0 && off == from + len) {
+      len += bytes;
+      continue;
     }
-    default: return T3D_OK;
+    t3d_result_t res = copy(api, dev + from, host + from, len, 1, r->stream, err, errlen);
+    if (res != T3D_OK) return res;
+    from = off;
+    len = bytes;
   }
+  return T3D_OK;
 }
 
 /* The staging buffer, at least `bytes` long; pinned when the runtime gives pinned memory. */
@@ -348,7 +351,7 @@ static t3d_result_t cudev_run(t3d_exec_t *ex, t3d_request_t *r, t3d_result_t (*h
     goto out;
   }
   layout_t l = layout_of(r, ex->rank, ex->size);
-  size_t in_at = 0, out_at = (l.in + 63) & ~(size_t)63;
+  size_t out_at = (l.in + 63) & ~(size_t)63; /* the host input at the buffer's start, the output after it */
   unsigned char *buf = staging(st, api, out_at + l.out + 64);
   if (buf == NULL) {
     res = T3D_ERR_NO_MEMORY;
@@ -356,7 +359,7 @@ static t3d_result_t cudev_run(t3d_exec_t *ex, t3d_request_t *r, t3d_result_t (*h
     goto out;
   }
   /* In stream order after everything the caller queued before it: the input as the device has it then. */
-  res = copy(api, l.in_to_out ? buf + out_at : buf + in_at, l.src, l.in, 0, r->stream, why, sizeof why);
+  res = copy(api, l.in_to_out ? buf + out_at : buf, l.src, l.in, 0, r->stream, why, sizeof why);
   if (res == T3D_OK && l.in > 0) res = wait_stream(comm, api, r->stream, ex->deadline_ns, why, sizeof why);
   if (res != T3D_OK) goto out;
 
@@ -367,7 +370,7 @@ static t3d_result_t cudev_run(t3d_exec_t *ex, t3d_request_t *r, t3d_result_t (*h
   h.seq = r->seq;
   h.timeout_ms = r->timeout_ms;
   h.deadline_ns = r->deadline_ns;
-  h.sendbuf = r->sendbuf != NULL ? buf + in_at : NULL;
+  h.sendbuf = r->sendbuf != NULL ? buf : NULL;
   h.recvbuf = (r->recvbuf != NULL || l.out > 0) ? buf + out_at : NULL;
   h.count = r->count;
   h.dtype = r->dtype;
@@ -384,7 +387,7 @@ static t3d_result_t cudev_run(t3d_exec_t *ex, t3d_request_t *r, t3d_result_t (*h
   res = host(ex, &h);
   if (res != T3D_OK) return res; /* the host provider wrote ex->error */
 
-  res = copy_back(api, r, ex->rank, ex->size, buf + out_at, why, sizeof why);
+  res = copy_back(api, r, &l, ex->size, buf + out_at, why, sizeof why);
   /* Done only when the copy back has finished: the staging buffer is reused next, and the request's completion
    * tells the shim that the stream holds the result. */
   if (res == T3D_OK) res = wait_stream(comm, api, r->stream, ex->deadline_ns, why, sizeof why);

@@ -74,8 +74,8 @@ def _check_unsupported(dropout_p: float, attn_mask) -> None:
         raise NotImplementedError(f"t3d.cp: SDPA dropout (dropout_p={dropout_p}) is not supported")
 
 
-def _flash_cpu(query, key, value, dropout_p: float = 0.0, is_causal: bool = False, *, attn_mask=None,
-               scale: Optional[float] = None):
+def _ring_forward(query, key, value, dropout_p, is_causal, attn_mask, scale):
+    """The ring's output and log-sum-exp as DTensors, and the local query and key with their mesh."""
     from .nn.ring import ring_forward
 
     _check_unsupported(dropout_p, attn_mask)
@@ -83,7 +83,12 @@ def _flash_cpu(query, key, value, dropout_p: float = 0.0, is_causal: bool = Fals
     k, _ = _unwrap(key, "key")
     v, _ = _unwrap(value, "value")
     out, lse = ring_forward(q, k, v, mesh.get_group(), bool(is_causal), _layout(), scale)
-    return _wrap(out, mesh), _wrap(lse, mesh)
+    return _wrap(out, mesh), _wrap(lse, mesh), q, k, mesh
+
+
+def _flash_cpu(query, key, value, dropout_p: float = 0.0, is_causal: bool = False, *, attn_mask=None,
+               scale: Optional[float] = None):
+    return _ring_forward(query, key, value, dropout_p, is_causal, attn_mask, scale)[:2]
 
 
 def _flash_cpu_backward(grad_out, query, key, value, out, logsumexp, dropout_p: float, is_causal: bool, *,
@@ -115,9 +120,7 @@ def _flash_cuda(query, key, value, dropout_p: float = 0.0, is_causal: bool = Fal
                 *, scale: Optional[float] = None):
     if return_debug_mask:
         raise NotImplementedError("t3d.cp: SDPA's return_debug_mask is not supported")
-    out, lse = _flash_cpu(query, key, value, dropout_p, is_causal, scale=scale)
-    q, mesh = _unwrap(query, "query")
-    k, _ = _unwrap(key, "key")
+    out, lse, q, k, mesh = _ring_forward(query, key, value, dropout_p, is_causal, None, scale)
     rng = _replicated(torch.zeros(2, dtype=torch.int64, device=q.device), mesh)
     unused = _replicated(torch.empty(0, dtype=torch.int64, device=q.device), mesh)
     debug = _replicated(torch.empty(0, dtype=q.dtype, device=q.device), mesh)
@@ -132,8 +135,7 @@ def _flash_cuda_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q,
 
 def _efficient_cuda(query, key, value, attn_bias=None, compute_log_sumexp: bool = True, dropout_p: float = 0.0,
                     is_causal: bool = False, *, scale: Optional[float] = None):
-    out, lse = _flash_cpu(query, key, value, dropout_p, is_causal, attn_mask=attn_bias, scale=scale)
-    q, mesh = _unwrap(query, "query")
+    out, lse, q, _, mesh = _ring_forward(query, key, value, dropout_p, is_causal, attn_bias, scale)
     seed = _replicated(torch.zeros((), dtype=torch.int64, device=q.device), mesh)
     offset = _replicated(torch.zeros((), dtype=torch.int64, device=q.device), mesh)
     return out, lse, seed, offset
