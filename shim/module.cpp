@@ -5,6 +5,7 @@
 #include <torch/version.h>
 
 #include <chrono>
+#include <algorithm>
 #include <cmath>
 
 #include "device_stream.hpp"
@@ -108,6 +109,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "_transport",
       [](const c10::intrusive_ptr<c10d::Backend>& backend) { return asT3D(backend).transport(); },
       "Transport the backend's communicator uses (e.g. 'ucx').");
+
+  m.def(
+      "_mem_bytes",
+      [](int64_t bytes) -> at::Tensor {
+        TORCH_CHECK(bytes >= 0, "t3d.mem: ", bytes, " bytes is negative");
+        void* ptr = nullptr;
+        const t3d_result_t r = t3d_mem_alloc(static_cast<size_t>(std::max<int64_t>(bytes, 1)), &ptr);
+        TORCH_CHECK(r == T3D_OK, "t3d.mem: t3d_mem_alloc of ", bytes, " bytes failed: ", t3d_result_string(r));
+        return at::from_blob(ptr, {bytes}, [](void* p) { t3d_mem_free(p); }, at::TensorOptions().dtype(at::kByte));
+      },
+      py::arg("bytes"), "A uint8 CPU tensor of `bytes` in t3d memory (t3d_mem_alloc): other ranks of the host map it.");
+  m.def(
+      "_mem_owns", [](uintptr_t ptr, size_t bytes) { return t3d_mem_owns(reinterpret_cast<void*>(ptr), bytes) != 0; },
+      py::arg("ptr"), py::arg("bytes"), "Whether [ptr, ptr + bytes) lies in one t3d memory allocation.");
 
   m.def("_build_info", []() {
     py::dict d;

@@ -120,6 +120,7 @@ typedef struct {
   int check;
   int warmup, iters; /* 0: by size */
   int async;         /* -a: collectives without T3D_FLAG_BLOCKING */
+  int registered;    /* -R: buffers from t3d_mem_alloc (registered memory) */
 } opts_t;
 
 /* What every collective call passes: T3D_FLAG_BLOCKING (each call is waited for at once, as MPI_Allreduce and the
@@ -129,12 +130,13 @@ static t3d_opts_t call_opts;
 static void usage(const char *argv0) {
   fprintf(stderr,
           "usage: %s [-n ranks] [-b minbytes] [-e maxbytes] [-f factor] [-o op[,op...]] [-t auto|ucx|both]\n"
-          "          [-w warmup] [-i iters] [-c 0|1] [-a]\n"
+          "          [-w warmup] [-i iters] [-c 0|1] [-a] [-R]\n"
           "  ops: ",
           argv0);
   print_op_names(stderr);
   fprintf(stderr,
           " (default: all)\n"
+          "  -R takes the buffers from t3d_mem_alloc (registered memory: large collectives then copy in place)\n"
           "  -a issues collectives without T3D_FLAG_BLOCKING (the progress thread runs those too large to start on\n"
           "     the calling thread), still waiting for each at once\n"
           "  sendrecv is a ring shift: every rank sends to rank + 1 and receives from rank - 1 in one group\n"
@@ -225,8 +227,14 @@ static int rank_main(const opts_t *o, int rank, const fstore_t *fs, shared_t *sh
   }
   size_t maxcount = o->maxb / 4 + 1;
   float *sb = NULL, *rb = NULL;
-  if (posix_memalign((void **)&sb, 4096, maxcount * 4) != 0 || posix_memalign((void **)&rb, 4096, maxcount * 4) != 0)
+  if (o->registered) {
+    t3d_result_t r = t3d_mem_alloc(maxcount * 4, (void **)&sb);
+    if (r == T3D_OK) r = t3d_mem_alloc(maxcount * 4, (void **)&rb);
+    if (r != T3D_OK) return fail(rank, "t3d_mem_alloc", NULL, r);
+  } else if (posix_memalign((void **)&sb, 4096, maxcount * 4) != 0 ||
+             posix_memalign((void **)&rb, 4096, maxcount * 4) != 0) {
     return fail(rank, "out of memory for buffers", NULL, T3D_ERR_NO_MEMORY);
+  }
   memset(sb, 0, maxcount * 4);
   memset(rb, 0, maxcount * 4);
   int n = o->nranks;
@@ -288,8 +296,13 @@ static int rank_main(const opts_t *o, int rank, const fstore_t *fs, shared_t *sh
   }
   for (int t = 0; t < 2; t++)
     if (comms[t] != NULL) t3d_comm_destroy(comms[t]);
-  free(sb);
-  free(rb);
+  if (o->registered) {
+    t3d_mem_free(sb);
+    t3d_mem_free(rb);
+  } else {
+    free(sb);
+    free(rb);
+  }
   if (rank == 0 && wrong_total > 0) {
     fprintf(stderr, "t3d_bench_c: %lld wrong elements (see the #wrong columns)\n", wrong_total);
     return 1; /* rank 0 alone: one report */
@@ -364,7 +377,7 @@ int main(int argc, char **argv) {
   opts_t o = {.nranks = 2, .minb = 8, .maxb = 256u << 20, .factor = 2, .transports = 3, .check = 1};
   for (int i = 0; i < OP_COUNT; i++) o.ops[i] = 1;
   int c;
-  while ((c = getopt(argc, argv, "n:b:e:f:o:t:w:i:c:ah")) != -1) {
+  while ((c = getopt(argc, argv, "n:b:e:f:o:t:w:i:c:aRh")) != -1) {
     switch (c) {
       case 'n': o.nranks = atoi(optarg); break;
       case 'b': o.minb = parse_size(optarg); break;
@@ -374,6 +387,7 @@ int main(int argc, char **argv) {
       case 'i': o.iters = atoi(optarg); break;
       case 'c': o.check = atoi(optarg); break;
       case 'a': o.async = 1; break;
+      case 'R': o.registered = 1; break;
       case 't':
         if (strcmp(optarg, "auto") == 0) o.transports = 1;
         else if (strcmp(optarg, "ucx") == 0) o.transports = 2;

@@ -169,6 +169,20 @@ int t3d_backoff_poll(uint64_t *since);
  * (it naps ~20 us instead once past the yield phase). Returns 1 when req is done or the caller should block. */
 int t3d_request_poll(t3d_request_t *req, uint64_t *since);
 
+/* Registered memory: host memory that the other ranks of this host can map (a memfd per allocation, page
+ * aligned). An allreduce, reduce_scatter, allgather, alltoall or broadcast of equal blocks of at least
+ * T3D_SHM_MAPPED_BYTES whose buffers are in it on every rank of a same-host group reads and writes the peers'
+ * buffers in place (one copy) instead of copying through the shared segment. Each allocation holds one file
+ * descriptor until freed. T3D_ERR_INVALID_ARG for 0 bytes or a pointer t3d_mem_alloc did not return. */
+t3d_result_t t3d_mem_alloc(size_t bytes, void **ptr);
+t3d_result_t t3d_mem_free(void *ptr);
+/* 1 when [ptr, ptr + bytes) lies in one live t3d_mem_alloc allocation of this process. */
+int t3d_mem_owns(const void *ptr, size_t bytes);
+/* memcpy with the non-temporal stores the collectives use for large buffers (where the CPU has AVX-512 or AVX;
+ * memmove otherwise); dst == src rewrites the buffer in place. What benchmarks measure the machine's copy bandwidth
+ * with. */
+void t3d_copy_stream(void *dst, const void *src, size_t bytes);
+
 /* Collectives. Counts are in elements of dtype. sendbuf == recvbuf means in place. Buffers must stay valid until the
  * request completes; count/displacement arrays are copied at call time. */
 t3d_result_t t3d_allreduce(t3d_comm_t *comm, const void *sendbuf, void *recvbuf, size_t count, t3d_dtype_t dtype,

@@ -114,6 +114,11 @@ t3d_result_t t3d__shm_allgatherv(t3d_exec_t *ex, const void *sendbuf, void *recv
   size_t maxb, total = gather_total(s->size, bytes, 1, &maxb);
   if (total == 0) return T3D_OK;
   size_t mine = bytes[s->rank];
+  if (t3d__shm_mapped_size(s, total) && t3d__equal_blocks(s->size, bytes, displs_bytes)) {
+    int done = 0;
+    T3D_CHECK(t3d__shm_mapped_allgather(s, ex, sendbuf, (char *)recvbuf + displs_bytes[0], bytes[0], &done));
+    if (done) return T3D_OK;
+  }
   if (t3d__shm_use_direct(s, maxb)) {
     t3d_shm_step_t st;
     T3D_CHECK(gather_direct_publish(s, ex, &st, sendbuf, recvbuf, bytes, displs_bytes, 1, total));
@@ -133,7 +138,8 @@ t3d_result_t t3d__shm_allgatherv(t3d_exec_t *ex, const void *sendbuf, void *recv
 /* An allgatherv whose blocks each fit one half or are read from their owners, in parts (one step of the loop
  * above, or the single-copy step). */
 int t3d__shm_gather_fits(t3d_shm_t *s, size_t total_bytes, size_t max_block_bytes) {
-  return total_bytes > 0 && (max_block_bytes <= s->half || t3d__shm_use_direct(s, max_block_bytes)) &&
+  return total_bytes > 0 && !t3d__shm_mapped_size(s, total_bytes) &&
+         (max_block_bytes <= s->half || t3d__shm_use_direct(s, max_block_bytes)) &&
          t3d__shm_next_half_free(s);
 }
 

@@ -84,7 +84,9 @@ static t3d_result_t reduce_oneshot(t3d_shm_t *s, t3d_exec_t *ex, const void *sen
   return oneshot_fold(s, ex, &st, sendbuf, recvbuf, count, dt, op, kind);
 }
 
-int t3d__shm_oneshot_fits(t3d_shm_t *s, size_t bytes) { return bytes <= s->oneshot_max && t3d__shm_next_half_free(s); }
+int t3d__shm_oneshot_fits(t3d_shm_t *s, size_t bytes) {
+  return bytes <= s->oneshot_max && !t3d__shm_mapped_size(s, bytes) && t3d__shm_next_half_free(s);
+}
 
 void t3d__shm_oneshot_warm(t3d_shm_t *s, size_t bytes) {
   if (bytes > s->oneshot_max) return;
@@ -189,6 +191,14 @@ static t3d_result_t reduce_common(t3d_exec_t *ex, const void *sendbuf, void *rec
     sendbuf = copy;
   }
   t3d_result_t res;
+  int done = 0;
+  if (root < 0 && t3d__shm_mapped_size(s, bytes)) {
+    res = t3d__shm_mapped_allreduce(s, ex, sendbuf, recvbuf, count, dt, op, &done);
+    if (res != T3D_OK || done) {
+      free(copy);
+      return res;
+    }
+  }
   if (bytes <= s->oneshot_max) res = reduce_oneshot(s, ex, sendbuf, recvbuf, count, dt, op, root, kind);
   else res = reduce_chunked(s, ex, sendbuf, recvbuf, count, dt, op, root, kind);
   free(copy);

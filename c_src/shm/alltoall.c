@@ -213,6 +213,13 @@ t3d_result_t t3d__shm_alltoallv(t3d_exec_t *ex, const void *sendbuf, const size_
                                 void *recvbuf, const size_t *rcounts, const size_t *rdispls, size_t es, int equal) {
   t3d_shm_t *s = t3d__exec_shm(ex);
   T3D_CHECK(a2a_check_self(ex, scounts, rcounts, es));
+  size_t all = scounts[0] * es * (size_t)s->size;
+  if (equal && t3d__shm_mapped_size(s, all)) {
+    int done = 0;
+    T3D_CHECK(t3d__shm_mapped_alltoall(s, ex, (const char *)sendbuf + sdispls[0] * es,
+                                       (char *)recvbuf + rdispls[0] * es, scounts[0] * es, &done));
+    if (done) return T3D_OK;
+  }
   /* Incoming blocks may overwrite outgoing ones that later steps still read: then send from a copy. */
   const char *sb;
   size_t sbias;
@@ -238,6 +245,7 @@ t3d_result_t t3d__shm_alltoallv(t3d_exec_t *ex, const void *sendbuf, const size_
  * run) by finish. The caller made sure that the receive blocks do not overlap the send blocks, so no copy of the
  * input is needed. */
 int t3d__shm_a2a_fits(t3d_shm_t *s, size_t max_send_block_bytes, int equal) {
+  if (equal && t3d__shm_mapped_size(s, max_send_block_bytes * (size_t)s->size)) return 0;
   if (max_send_block_bytes > a2a_piece(s) && !a2a_equal_direct(s, equal, max_send_block_bytes)) return 0;
   return t3d__shm_next_half_free(s);
 }

@@ -20,6 +20,11 @@ static int next_small_free(t3d_shm_t *s) {
 t3d_result_t t3d__shm_broadcast(t3d_exec_t *ex, void *buf, size_t bytes, int root) {
   t3d_shm_t *s = t3d__exec_shm(ex);
   char *b = buf;
+  if (t3d__shm_mapped_size(s, bytes)) {
+    int done = 0;
+    T3D_CHECK(t3d__shm_mapped_broadcast(s, ex, buf, bytes, root, &done));
+    if (done) return T3D_OK;
+  }
   int nt = s->nt && bytes >= s->nt_min;
   for (size_t lo = 0; lo < bytes; lo += s->half) {
     size_t len = t3d__shm_min_sz(s->half, bytes - lo);
@@ -53,7 +58,7 @@ void t3d__shm_bcast_warm(t3d_shm_t *s, size_t bytes) {
 }
 
 int t3d__shm_bcast_fits(t3d_shm_t *s, size_t bytes, int root) {
-  if (bytes == 0 || bytes > s->half) return 0;
+  if (bytes == 0 || bytes > s->half || t3d__shm_mapped_size(s, bytes)) return 0;
   return root != s->rank || (bytes <= T3D_SHM_SMALL_BYTES ? next_small_free(s) : t3d__shm_next_half_free(s));
 }
 

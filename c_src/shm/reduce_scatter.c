@@ -68,6 +68,11 @@ t3d_result_t t3d__shm_reduce_scatterv(t3d_exec_t *ex, const void *sendbuf, void 
   size_t es = t3d_dtype_size(dt), total = 0;
   for (int q = 0; q < s->size; q++) total += counts[q];
   if (total == 0) return T3D_OK;
+  if (t3d__shm_mapped_size(s, total * es) && t3d__equal_blocks(s->size, counts, NULL)) {
+    int done = 0;
+    T3D_CHECK(t3d__shm_mapped_reduce_scatter(s, ex, sendbuf, recvbuf, counts[0], dt, op, &done));
+    if (done) return T3D_OK;
+  }
   const char *sb = sendbuf;
   char *rb = recvbuf, *scratch = NULL;
   size_t mine = counts[me] * es, below = 0;
@@ -97,7 +102,8 @@ out:
 
 /* A reduce_scatterv in one step, in parts, when the output does not overlap the input (no scratch). */
 int t3d__shm_rs_fits(t3d_shm_t *s, size_t total_bytes, size_t max_block_bytes, size_t es) {
-  return total_bytes > 0 && max_block_bytes <= rs_piece(s, es) * es && t3d__shm_next_half_free(s);
+  return total_bytes > 0 && !t3d__shm_mapped_size(s, total_bytes) && max_block_bytes <= rs_piece(s, es) * es &&
+         t3d__shm_next_half_free(s);
 }
 
 t3d_result_t t3d__shm_rs_start(t3d_exec_t *ex, const void *sendbuf, const size_t *counts, t3d_dtype_t dt,

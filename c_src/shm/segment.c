@@ -187,11 +187,14 @@ t3d_result_t t3d__shm_init(t3d_comm_t *comm, t3d_shm_t **out) {
   s->offs = malloc(sizeof(size_t) * (size_t)comm->size);
   s->raddr = malloc(sizeof(uint64_t) * (size_t)comm->size);
   s->rpid = malloc(sizeof(int) * (size_t)comm->size);
+  s->m_in = malloc(sizeof(char *) * 2 * (size_t)comm->size);
+  s->m_out = s->m_in != NULL ? s->m_in + comm->size : NULL;
   char err[700] = "", key[48];
   void *v = NULL;
   size_t len = 0;
   t3d_result_t res = T3D_OK;
-  if (s->pending == NULL || s->srcs == NULL || s->offs == NULL || s->raddr == NULL || s->rpid == NULL) {
+  if (s->pending == NULL || s->srcs == NULL || s->offs == NULL || s->raddr == NULL || s->rpid == NULL ||
+      s->m_in == NULL) {
     res = t3d__set_error(comm, T3D_ERR_NO_MEMORY, "t3d_comm_init: out of memory for shm state");
     goto fail;
   }
@@ -240,9 +243,12 @@ t3d_result_t t3d__shm_init(t3d_comm_t *comm, t3d_shm_t **out) {
     shm_unlink(s->name);
     s->p2p_ok = (all_bits & T3D_SHM_PROBE_P2P) != 0;
     t3d__shm_direct_ranges(s, comm->size, (all_bits & T3D_SHM_PROBE_CMA) != 0);
+    /* Mapping a peer's t3d memory opens /proc/<pid>/fd/<n>: allowed wherever reading its memory is. */
+    int64_t mapped = t3d__param_int(T3D_PARAM_SHM_MAPPED_BYTES);
+    s->mapped_min = (all_bits & T3D_SHM_PROBE_CMA) != 0 && mapped > 0 ? (size_t)mapped : 0;
     if (peers == T3D_OK)
-      snprintf(msg, sizeof msg, "1 %d %zu %zu %zu %zu", s->p2p_ok, s->direct_min, s->direct_max, s->a2a_direct_min,
-               s->a2a_direct_max);
+      snprintf(msg, sizeof msg, "1 %d %zu %zu %zu %zu %zu", s->p2p_ok, s->direct_min, s->direct_max,
+               s->a2a_direct_min, s->a2a_direct_max, s->mapped_min);
     else snprintf(msg, sizeof msg, "!%s", err);
     res = t3d__store_set(comm, "shm/ready", msg, strlen(msg) + 1);
     if (peers != T3D_OK) {
@@ -280,9 +286,9 @@ t3d_result_t t3d__shm_init(t3d_comm_t *comm, t3d_shm_t **out) {
     if (res != T3D_OK) goto fail;
     T3D_CHECK_GOTO(t3d__store_get(comm, "shm/ready", &v, &len), res, fail);
     int p2p_ok = 0;
-    unsigned long long dmin = 0, dmax = 0, amin = 0, amax = 0;
+    unsigned long long dmin = 0, dmax = 0, amin = 0, amax = 0, mmin = 0;
     if (len == 0 || ((char *)v)[len - 1] != '\0' ||
-        sscanf((char *)v, "1 %d %llu %llu %llu %llu", &p2p_ok, &dmin, &dmax, &amin, &amax) != 5) {
+        sscanf((char *)v, "1 %d %llu %llu %llu %llu %llu", &p2p_ok, &dmin, &dmax, &amin, &amax, &mmin) != 6) {
       res = t3d__set_error(comm, T3D_ERR_SYSTEM, "t3d_comm_init: rank %d of group '%s': shared memory set-up failed: "
                            "%.*s", comm->rank, comm->name, (int)(len > 1 ? len - 2 : 0), len > 1 ? (char *)v + 1 : "");
       goto fail;
@@ -292,14 +298,16 @@ t3d_result_t t3d__shm_init(t3d_comm_t *comm, t3d_shm_t **out) {
     s->direct_max = (size_t)dmax;
     s->a2a_direct_min = (size_t)amin;
     s->a2a_direct_max = (size_t)amax;
+    s->mapped_min = (size_t)mmin;
     free(v);
     v = NULL;
   }
   read_tuning(s);
   T3D_INFO("group '%s' rank %d: shared memory %s, %zu bytes, halves of %zu bytes, point-to-point %s, single copy "
-           "for allgather blocks of %zu to %zu bytes and alltoall blocks of %zu to %zu (0: off)", comm->name,
-           comm->rank, s->name, s->map_bytes, s->half, s->p2p_ok ? "over shared memory" : "over UCX", s->direct_min,
-           s->direct_max, s->a2a_direct_min, s->a2a_direct_max);
+           "for allgather blocks of %zu to %zu bytes and alltoall blocks of %zu to %zu (0: off), t3d memory in place "
+           "from %zu bytes (0: never)", comm->name, comm->rank, s->name, s->map_bytes, s->half,
+           s->p2p_ok ? "over shared memory" : "over UCX", s->direct_min, s->direct_max, s->a2a_direct_min,
+           s->a2a_direct_max, s->mapped_min);
   *out = s;
   return T3D_OK;
 fail:
@@ -316,6 +324,7 @@ void t3d__shm_fini(t3d_shm_t *s) {
   free(s->offs);
   free(s->raddr);
   free(s->rpid);
+  free(s->m_in);
   free(s);
 }
 

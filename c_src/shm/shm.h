@@ -105,6 +105,11 @@ struct t3d_shm {
   size_t direct_max;
   size_t a2a_direct_min; /* the same for alltoallv blocks, whose range differs when oversubscribed */
   size_t a2a_direct_max;
+  size_t mapped_min;  /* collectives of at least this many bytes first offer their buffers as t3d memory (mapped.c);
+                       * 0: never (rank 0's choice for all) */
+  char **m_in, **m_out; /* scratch: a mapped collective's buffers of every rank, mapped here */
+  uint32_t offer_gap;   /* offers nobody took in a row make the next ones rarer (mapped.c): skip this many, */
+  uint32_t offer_skip;  /* of which this many are left */
   int pid;            /* this process */
   t3d_shm_p2p_t *p2p; /* the communicator's point-to-point over the region, once made (comm.c) */
   int *pending;       /* scratch: ranks still awaited */
@@ -405,6 +410,36 @@ static inline t3d_result_t t3d__shm_direct_end(t3d_shm_t *s, t3d_exec_t *ex, uin
   return res;
 }
 
+/* ---------- t3d memory (mem.c) and the collectives on it (mapped.c) ---------- */
+/* Whether [ptr, ptr + bytes) lies in one t3d_mem_alloc allocation of this process: its key and the offset of ptr
+ * from the allocation's start. */
+int t3d__mem_find(const void *ptr, size_t bytes, uint64_t *key, uint64_t *off);
+/* Where bytes at offset off of process pid's allocation `key` are mapped in this process (mapped on first use and
+ * kept); NULL with the reason in err. */
+char *t3d__mem_peer(int pid, uint64_t key, uint64_t off, size_t bytes, char *err, size_t errlen);
+/* Whether n blocks all have counts[0] elements and (displs not NULL) lie one after the other from displs[0]. */
+static inline int t3d__equal_blocks(int n, const size_t *counts, const size_t *displs) {
+  for (int p = 1; p < n; p++) {
+    if (counts[p] != counts[0] || (displs != NULL && displs[p] != displs[0] + (size_t)p * counts[0])) return 0;
+  }
+  return 1;
+}
+/* Whether a collective of `bytes` (the size every rank computes alike) starts with the mapped offer; the inline
+ * starts decline those. */
+int t3d__shm_mapped_size(const t3d_shm_t *s, size_t bytes);
+/* Run the offer and, when every rank's buffers are t3d memory, the whole collective (*done = 1); else *done = 0 and
+ * the caller goes on through the segment. Equal blocks only (blk bytes; count elements). */
+t3d_result_t t3d__shm_mapped_allreduce(t3d_shm_t *s, t3d_exec_t *ex, const void *sendbuf, void *recvbuf,
+                                       size_t count, t3d_dtype_t dt, t3d_redop_t op, int *done);
+t3d_result_t t3d__shm_mapped_reduce_scatter(t3d_shm_t *s, t3d_exec_t *ex, const void *sendbuf, void *recvbuf,
+                                            size_t count, t3d_dtype_t dt, t3d_redop_t op, int *done);
+t3d_result_t t3d__shm_mapped_allgather(t3d_shm_t *s, t3d_exec_t *ex, const void *sendbuf, void *recvbuf,
+                                       size_t blk, int *done);
+t3d_result_t t3d__shm_mapped_alltoall(t3d_shm_t *s, t3d_exec_t *ex, const void *sendbuf, void *recvbuf, size_t blk,
+                                      int *done);
+t3d_result_t t3d__shm_mapped_broadcast(t3d_shm_t *s, t3d_exec_t *ex, void *buf, size_t bytes, int root,
+                                       int *done);
+
 /* ---------- point-to-point (p2p.c) ---------- */
 #define T3D_SHM_P2P_RECORDS 256u
 /* Bytes of the point-to-point region for n ranks, and rank 0's choice of its sizes. */
@@ -417,9 +452,16 @@ int t3d__shm_nt_available(void);
 /* memcpy, with non-temporal stores when nt (then ends with a store fence, so a flag published after it orders). */
 void t3d__shm_copy(void *dst, const void *src, size_t n, int nt);
 /* dst[i] = src[0][i] op src[1][i] op ... op src[nsrc-1][i], in that order, for n elements; also into dst2 when not
- * NULL (non-temporal when nt2). A destination may coincide with a source element for element (in place), never
+ * NULL (non-temporal when nt2); dst may be NULL when dst2 is not. A destination may coincide with a source element for element (in place), never
  * overlap it otherwise. op is one of SUM..BXOR on a non-half dtype. */
 void t3d__shm_reduce_n(void *dst, void *dst2, const void *const *src, int nsrc, size_t n, t3d_dtype_t dt,
                        t3d_redop_t op, int nt2);
+
+/* dst[q][i] = src[0][i] op ... op src[nsrc-1][i] for every q < ndst: the sources read once, a tile at a time, and
+ * the tile written to every destination (non-temporal when nt). A destination may coincide with a source element
+ * for element. At most T3D_SHM_FANOUT_MAX sources. */
+#define T3D_SHM_FANOUT_MAX 256
+void t3d__shm_reduce_fanout(void *const *dst, int ndst, const void *const *src, int nsrc, size_t n, t3d_dtype_t dt,
+                            t3d_redop_t op, int nt);
 
 #endif /* T3D_SHM_H */

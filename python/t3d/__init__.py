@@ -11,7 +11,7 @@ __version__ = "0.1.0"
 BACKEND_NAME = "t3d"
 
 # Submodules loaded on first attribute access (t3d.nn, t3d.cp, ...), so that `import t3d` stays cheap.
-_LAZY_SUBMODULES = ("ops", "nn", "cp", "hf", "bench", "flight_recorder")
+_LAZY_SUBMODULES = ("ops", "nn", "cp", "hf", "bench", "flight_recorder", "mem")
 
 
 def __getattr__(name: str):

@@ -60,7 +60,7 @@ def _check_output(run, out, ok):
     return check
 
 
-def _make_op(op: str, nbytes: int, rank: int, n: int, dist, torch, group=None, device=None):
+def _make_op(op: str, nbytes: int, rank: int, n: int, dist, torch, group=None, device=None, mem=False):
     """Buffers, a callable that runs the op once, a check, and the message size S in bytes. `group` (all_reduce
     only, for the dispatch floor): run on that group instead of the world. Sizes, inputs and expected outputs are
     opspec's, as for the MPI peer.
@@ -72,8 +72,14 @@ def _make_op(op: str, nbytes: int, rank: int, n: int, dist, torch, group=None, d
     n_in, n_out, size_b = counts(op, nbytes, n)
     value = input_value(op, rank, n)
     dev = {"device": device}
+    if mem:  # t3d-mem: the buffers in t3d memory (t3d.mem), which the ranks map from each other
+        import t3d.mem
+
+        zeros, empty = t3d.mem.zeros, t3d.mem.empty
+    else:
+        zeros, empty = (lambda k: torch.zeros(k, **dev)), (lambda k: torch.empty(k, **dev))
     if op == "all_reduce":
-        x = torch.zeros(n_in, **dev)
+        x = zeros(n_in)
         group = dist.group.WORLD if group is None else group  # passed explicitly either way: the same call
 
         def check():
@@ -84,7 +90,7 @@ def _make_op(op: str, nbytes: int, rank: int, n: int, dist, torch, group=None, d
             return ok
         return (lambda: dist.all_reduce(x, group=group)), check, size_b
     if op == "broadcast":
-        x = torch.zeros(n_in, **dev)
+        x = zeros(n_in)
 
         def run():
             dist.broadcast(x, src=ROOT)
@@ -94,8 +100,8 @@ def _make_op(op: str, nbytes: int, rank: int, n: int, dist, torch, group=None, d
             run()
             return output_ok(op, rank, n, x)
         return run, check, size_b
-    x = torch.full((n_in,), value, **dev)
-    out = torch.empty(n_out, **dev)
+    x = empty(n_in).fill_(value)
+    out = empty(n_out)
     if op == "all_gather":
         run = lambda: dist.all_gather_into_tensor(out, x)  # noqa: E731
     elif op == "reduce_scatter":
@@ -147,6 +153,9 @@ def _rank_main(rank: int, n: int, backend: str, init: str, ops: list[str], sizes
     import torch.distributed as dist
     import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
 
+    mem = backend == "t3d-mem"  # t3d on buffers in t3d memory
+    if mem:
+        backend = "t3d"
     if backend == "t3d":
         import t3d  # noqa: F401
     torch.set_num_threads(1)
@@ -172,7 +181,7 @@ def _rank_main(rank: int, n: int, backend: str, init: str, ops: list[str], sizes
             if not runs_on(op, n):
                 continue
             for nbytes in sizes:
-                run, check, size_b = _make_op(op, nbytes, rank, n, dist, torch, device=device)
+                run, check, size_b = _make_op(op, nbytes, rank, n, dist, torch, device=device, mem=mem)
                 floor_run = (_make_op(op, nbytes, rank, n, dist, torch, group=fake)[0]
                              if op == "all_reduce" and fake is not None else None)
                 # With more ranks than cores, a call that needs every rank's input waits for ranks that are not
@@ -279,36 +288,61 @@ def run_mpi(n: int, ops: list[str], sizes: list[int], timeout: float) -> list[di
 COPY_TEST_BYTES = 64 << 20  # each copy's source (well beyond the caches); its destination is as large
 
 
+def _stream_copier():
+    """libt3d's copy with non-temporal stores (t3d_copy_stream) as a callable on numpy arrays, or None. ctypes
+    releases the GIL for the call, so threads copy at once."""
+    import ctypes
+
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        lib = ctypes.CDLL(os.path.join(here, "libt3d.so.0"))
+        fn = lib.t3d_copy_stream
+    except (OSError, AttributeError):
+        return None
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    return lambda dst, src: fn(dst.ctypes.data, src.ctypes.data, dst.nbytes)
+
+
 def copy_bandwidth(threads: int = 1) -> float:
-    """Read+write bytes per second of `threads` copies of 64 MiB, one per thread, all started at once (np.copyto is a
-    plain memcpy and runs without the GIL); best of 7."""
+    """Read+write bytes per second of `threads` copies of 64 MiB, one per thread, all started at once; best of 7
+    rounds of each of three copies: np.copyto (a plain memcpy, without the GIL), libt3d's copy with non-temporal
+    stores (which skip reading the destination first) and the same copy rewriting its source in place (on the
+    development machine, a virtual one, reading and writing the same lines moves bytes faster than writing other
+    ones). t3d's collectives use such stores on large buffers, and all_reduce runs in place, so a floor must count
+    the fastest of them."""
     import threading
 
     import numpy as np
 
     pairs = [(np.ones(COPY_TEST_BYTES, dtype=np.uint8), np.zeros(COPY_TEST_BYTES, dtype=np.uint8))
              for _ in range(threads)]
-    start = threading.Barrier(threads + 1)
-    done = threading.Barrier(threads + 1)
+    stream = _stream_copier()
+    copies = [lambda d, s: np.copyto(d, s)]
+    if stream is not None:
+        copies += [stream, lambda d, s: stream(s, s)]
+    start = threading.Barrier(threads)
     rounds = 7
+    spans = [[None] * threads for _ in range(rounds * len(copies))]  # per round and thread: (start, end)
 
-    def copier(src, dst):
-        for _ in range(rounds):
-            start.wait()
-            np.copyto(dst, src)
-            done.wait()
+    def copier(i, src, dst):
+        k = 0
+        for copy in copies:
+            for _ in range(rounds):
+                start.wait()
+                t0 = time.perf_counter()
+                copy(dst, src)
+                spans[k][i] = (t0, time.perf_counter())
+                k += 1
 
-    workers = [threading.Thread(target=copier, args=pair, daemon=True) for pair in pairs]
+    workers = [threading.Thread(target=copier, args=(i, *pair), daemon=True) for i, pair in enumerate(pairs)]
     for w in workers:
         w.start()
-    best = float("inf")
-    for _ in range(rounds):
-        start.wait()
-        t0 = time.perf_counter()
-        done.wait()
-        best = min(best, time.perf_counter() - t0)
     for w in workers:
         w.join()
+    # A round lasts from its first copy's start to its last copy's end (each thread times its own copy: a thread
+    # that waits for the GIL after the barrier would otherwise start the clock late).
+    best = min(max(e for _, e in r) - min(b for b, _ in r) for r in spans)
     return 2 * COPY_TEST_BYTES * threads / best
 
 
@@ -396,7 +430,10 @@ def _op_table(results: dict, op: str, n: int) -> list[str]:
     """One op's table: each backend's time and busbw, each peer's and the best peer's time over t3d's, the floor and
     t3d's share of its speed, the all_reduce dispatch floors, the check."""
     backends = [b for b in results if not b.startswith("_")]
-    peers = [b for b in backends if b != "t3d"] if "t3d" in backends else []
+    # t3d's own variants (t3d-mem: its buffers in t3d memory) are no peers: they get their own floor and best-peer
+    # columns
+    variants = [b for b in backends if b.startswith("t3d-")]
+    peers = [b for b in backends if b != "t3d" and b not in variants] if "t3d" in backends else []
     B_all = results.get("_copy_all_cores")
     t3d_rows = results.get("t3d", [])
     with_dispatch = op == "all_reduce" and any("floor_us" in r for r in t3d_rows)
@@ -404,6 +441,8 @@ def _op_table(results: dict, op: str, n: int) -> list[str]:
     head = ["size"] + [f"{b} {what}" for b in backends for what in ("time (us)", "busbw (GB/s)")]
     head += [f"{p} / t3d" for p in peers] + (["best peer / t3d"] if peers else []) + ["floor (us)"]
     head += ["t3d at floor"] if "t3d" in backends else []
+    for v in variants:
+        head += [f"{v} at floor"] + ([f"best peer / {v}"] if peers else [])
     head += ["torch dispatch floor (us)", "t3d - dispatch floor (us)"] if with_dispatch else []
     head += ["dispatch floor, one switch per call (us)"] if with_switch else []
     head += ["check"]
@@ -428,6 +467,13 @@ def _op_table(results: dict, op: str, n: int) -> list[str]:
         cells.append(f"{floor:.0f}" if floor is not None else "-")
         if "t3d" in backends:
             cells.append(f"{100 * floor / a['time_us']:.0f}%" if floor is not None and a else "-")
+        for v in variants:
+            rv = by[v].get(size)
+            cells.append(f"{100 * floor / rv['time_us']:.0f}%" if floor is not None and rv else "-")
+            if peers:
+                pv = {p: by[p][size]["time_us"] / rv["time_us"] for p in peers if rv and size in by[p]}
+                bv = min(pv, key=pv.get, default=None)
+                cells.append(f"{pv[bv]:.2f}x ({bv})" if bv is not None else "-")
         if with_dispatch:
             cells += [f"{a['floor_us']:.1f}", f"{a['time_us'] - a['floor_us']:.1f}"] if a else ["-", "-"]
         if with_switch:
@@ -448,6 +494,10 @@ def render(results: dict, n: int, skipped: dict) -> str:
     if "t3d" in backends and len(backends) > 1:
         lines += ["", "X / t3d is X's time over t3d's: above 1 means t3d is faster. best peer / t3d: the fastest "
                       "peer's time over t3d's, with that peer's name."]
+    if "t3d-mem" in backends:
+        lines += ["", "t3d-mem: t3d with every buffer in t3d memory (`t3d.mem.empty`), which the ranks map from each "
+                      "other: collectives of equal blocks from T3D_SHM_MAPPED_BYTES (1 MiB) copy each byte once, in "
+                      "place, instead of twice through the shared segment (README, \"Registered memory\")."]
     return "\n".join(lines) + "\n"
 
 
@@ -487,7 +537,8 @@ def add_parser(sub) -> None:
                         "ranks than GPUs: t3d only, staged through host memory; refuses in one line without a GPU) "
                         "[cpu]")
     p.add_argument("--backends", default=None,
-                   help="comma list among t3d, gloo, mpi, and nccl with --device cuda (--hosts: t3d, t3d-flat, "
+                   help="comma list among t3d, t3d-mem (t3d on buffers in t3d memory, t3d.mem), gloo, mpi, and nccl with "
+                        "--device cuda (--hosts: t3d, t3d-flat, "
                         "gloo) [t3d,gloo,mpi; --device cuda: t3d,nccl]")
     p.add_argument("--ops", default=",".join(OPS), help="comma list among " + ", ".join(OPS))
     p.add_argument("--min", default="8", help="smallest message (bytes; K/M/G suffixes)")
@@ -595,7 +646,7 @@ def run(args) -> int:
         results["_device"] = f"{gpus} x {torch.cuda.get_device_name()}"
         if gpus < n:  # t3d only (cuda_refusal): its staged path
             results["_gpu_layout"] = f"{n} ranks on {gpus} GPU(s), staged through host memory"
-    known = ("t3d", "gloo", "mpi") if device == "cpu" else ("t3d", "nccl", "gloo")
+    known = ("t3d", "t3d-mem", "gloo", "mpi") if device == "cpu" else ("t3d", "nccl", "gloo")
     backends = []
     for b in [x for x in args.backends.split(",") if x]:
         if b not in known:
