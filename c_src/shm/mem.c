@@ -112,6 +112,11 @@ t3d_result_t t3d_mem_alloc(size_t bytes, void **ptr) {
   return T3D_OK;
 }
 
+static void drop_view(mem_view_t *v) {
+  munmap(v->base, v->map_bytes);
+  memset(v, 0, sizeof *v);
+}
+
 t3d_result_t t3d_mem_free(void *ptr) {
   if (ptr == NULL) return T3D_OK;
   pthread_mutex_lock(&mem_lock);
@@ -119,6 +124,9 @@ t3d_result_t t3d_mem_free(void *ptr) {
   while (*pp != NULL && (*pp)->base + MEM_HEADER != (char *)ptr) pp = &(*pp)->next;
   mem_region_t *r = *pp;
   if (r != NULL) *pp = r->next;
+  for (int i = 0; i < MEM_VIEWS && r != NULL; i++) { /* ranks that are threads of this process mapped it too */
+    if (views[i].base != NULL && views[i].pid == (int)getpid() && views[i].key == r->key) drop_view(&views[i]);
+  }
   pthread_mutex_unlock(&mem_lock);
   if (r == NULL) return T3D_ERR_INVALID_ARG;
   atomic_store_explicit(&((mem_header_t *)(void *)r->base)->freed, 1u, memory_order_release);
@@ -147,11 +155,6 @@ int t3d__mem_find(const void *ptr, size_t bytes, uint64_t *key, uint64_t *off) {
   }
   pthread_mutex_unlock(&mem_lock);
   return found;
-}
-
-static void drop_view(mem_view_t *v) {
-  munmap(v->base, v->map_bytes);
-  memset(v, 0, sizeof *v);
 }
 
 /* Maps peer pid's allocation `key`; NULL with err set on failure. Called with mem_lock held. */

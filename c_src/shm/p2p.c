@@ -45,7 +45,9 @@ typedef struct slot_hdr {
   uint32_t kind;
   uint32_t rec; /* rendezvous: the sender's record */
   int32_t pid;  /* rendezvous: the sender's process */
-  uint32_t pad[5];
+  uint32_t pad;
+  uint64_t mkey; /* rendezvous from t3d memory (mem.c): the allocation's key and the buffer's offset in it; else 0 */
+  uint64_t moff;
 } slot_hdr_t;
 _Static_assert(sizeof(slot_hdr_t) == 64, "a slot header is one cache line");
 
@@ -297,6 +299,9 @@ static int try_write(t3d_shm_p2p_t *p, done_list_t *d, t3d_request_t *r) {
   sh->gen = gen;
   sh->rec = rec;
   sh->pid = p->pid;
+  sh->mkey = 0;
+  if (p->shm->mapped_min == 0 || len < p->shm->mapped_min || !t3d__mem_find(r->sendbuf, len, &sh->mkey, &sh->moff))
+    sh->mkey = 0;
   atomic_store_explicit(&ctl->head, h + 1, memory_order_release); /* orders the record's POSTED too */
   p->head[dst] = h + 1;
   ring_bell(p, dst);
@@ -363,8 +368,19 @@ static int accepts(const t3d_request_t *r, int src, int64_t tag) {
   return (r->root == T3D_ANY_SOURCE || r->root == src) && r->tag == tag;
 }
 
-/* Copies len bytes of the rendezvous message h from its sender into dst; 0 or an errno. */
+/* Copies len bytes of the rendezvous message h from its sender into dst; 0 or an errno. A buffer in t3d memory is
+ * mapped and copied with non-temporal stores (mapped.c's reason: the kernel's copy is several times slower); if the
+ * mapping fails, the sender's buffer is still there to read the other way. */
 static int read_remote(t3d_shm_p2p_t *p, const slot_hdr_t *h, void *dst, size_t len) {
+  if (h->mkey != 0) {
+    char why[200];
+    const char *src = t3d__mem_peer((int)h->pid, h->mkey, h->moff, len, why, sizeof why);
+    if (src != NULL) {
+      t3d__shm_copy(dst, src, len, p->shm->nt && len >= p->shm->nt_min);
+      return 0;
+    }
+    T3D_WARN("point-to-point: mapping the sender's t3d memory failed: %s; reading it with process_vm_readv", why);
+  }
   return t3d__shm_cma_read(p->pid, h->pid, dst, h->addr, len);
 }
 

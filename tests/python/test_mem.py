@@ -1,6 +1,6 @@
 # Registered memory from Python (t3d.mem): tensors in t3d memory, and the collectives that read and write the
 # peers' tensors in place when every rank's are in it (README, "Registered memory"): results equal those of plain
-# tensors for every op of that path, in place and not; the path ran (the peers' allocations show up mapped in each
+# tensors for every op of that path, in place and not, and for send/recv; the path ran (the peers' allocations show up mapped in each
 # rank); a rank with a plain tensor sends every rank through the shared segment with the same results; bfloat16
 # (reduced through a float32 copy) and AVG; and the benchmark's t3d-mem rows and columns.
 import pytest
@@ -84,6 +84,12 @@ def _ops(rank, ws, plain_rank):
     y.fill_(rank)
     dist.broadcast(y, src=ws - 1)
     got["broadcast"], want["broadcast"] = y.clone(), torch.full((N,), float(ws - 1))
+    if plain_rank < 0:  # a ring shift: each receiver maps its sender's tensor (one rendezvous message each)
+        y.fill_(rank)
+        ops = [dist.P2POp(dist.isend, y, (rank + 1) % ws), dist.P2POp(dist.irecv, x, (rank - 1) % ws)]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+        got["send/recv"], want["send/recv"] = x.clone(), torch.full((N,), float((rank - 1) % ws))
     bad = [k for k in want if not torch.equal(got[k], want[k])]
     return bad, _mappings() - own
 
