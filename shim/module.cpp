@@ -4,12 +4,13 @@
 #include <torch/csrc/utils/pybind.h>
 #include <torch/version.h>
 
-#include <chrono>
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 
 #include "device_stream.hpp"
 #include "process_group_t3d.hpp"
+#include "registered_allocator.hpp"
 
 namespace py = pybind11;
 
@@ -120,6 +121,25 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return at::from_blob(ptr, {bytes}, [](void* p) { t3d_mem_free(p); }, at::TensorOptions().dtype(at::kByte));
       },
       py::arg("bytes"), "A uint8 CPU tensor of `bytes` in t3d memory (t3d_mem_alloc): other ranks of the host map it.");
+  m.def(
+      "_mem_allocator",
+      [](bool on, int64_t min_bytes, int64_t cache_bytes) {
+        auto& a = t3d_shim::RegisteredAllocator::get();
+        if (on) a.enable(static_cast<size_t>(std::max<int64_t>(min_bytes, 1)),
+                         static_cast<size_t>(std::max<int64_t>(cache_bytes, 0)));
+        else a.disable();
+      },
+      py::arg("on"), py::arg("min_bytes") = 0, py::arg("cache_bytes") = 0,
+      "Routes torch's CPU allocations of at least min_bytes to t3d memory (on), or gives torch back its allocator.");
+  m.def("_mem_allocator_stats", []() {
+    auto& a = t3d_shim::RegisteredAllocator::get();
+    py::dict d;
+    d["enabled"] = a.enabled();
+    d["live_bytes"] = a.live_bytes();
+    d["cached_bytes"] = a.cached_bytes();
+    return d;
+  });
+  m.def("_mem_allocator_empty_cache", []() { t3d_shim::RegisteredAllocator::get().empty_cache(); });
   m.def(
       "_mem_owns", [](uintptr_t ptr, size_t bytes) { return t3d_mem_owns(reinterpret_cast<void*>(ptr), bytes) != 0; },
       py::arg("ptr"), py::arg("bytes"), "Whether [ptr, ptr + bytes) lies in one t3d memory allocation.");

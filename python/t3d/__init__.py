@@ -6,6 +6,7 @@ point does so during `import torch`, so `dist.init_process_group("t3d")` works w
 
 from __future__ import annotations
 
+import os
 
 __version__ = "0.1.0"
 BACKEND_NAME = "t3d"
@@ -29,6 +30,10 @@ from . import _C
 from ._backend import register
 
 register()
+if os.environ.get("T3D_CPU_ALLOCATOR", "0") not in ("", "0"):  # torch's large CPU tensors in t3d memory (t3d.mem)
+    from . import mem as _mem
+
+    _mem.enable_allocator()
 # The attention ops' autograd and CUDA kernels; a failure there must not take the backend down with it.
 try:
     from . import ops  # noqa: F401

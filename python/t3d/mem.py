@@ -10,12 +10,18 @@ buffers you communicate (gradient buckets, activations of context parallelism) h
     x = t3d.mem.empty(1 << 24)        # float32, like torch.empty
     dist.all_reduce(x)
 
+Or, for tensors a library allocates (DDP's buckets, FSDP's and DTensor's buffers), an allocator: with
+`enable_allocator()` (or T3D_CPU_ALLOCATOR=1 in the environment before `import torch`) torch's CPU allocations of at
+least T3D_SHM_MAPPED_BYTES come from t3d memory, freed blocks cached for reuse (T3D_CPU_ALLOCATOR_CACHE_BYTES).
+
 README, "Registered memory"; docs/architecture.md, "Registered memory".
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 
 import torch
 
@@ -60,3 +66,54 @@ def is_registered(t: torch.Tensor) -> bool:
     if t.device.type != "cpu" or t.numel() == 0:
         return False
     return bool(_C._mem_owns(t.data_ptr(), t.numel() * t.element_size()))
+
+
+def _env_int(name: str, default: int) -> int:
+    """An integer variable as libt3d reads them (base 0: 0x hex); unset or unparsable: the default."""
+    text = os.environ.get(name, "")
+    try:
+        return int(text, 0) if text else default
+    except ValueError:
+        return default
+
+
+def enable_allocator(min_bytes: int | None = None, cache_bytes: int | None = None) -> None:
+    """From now on torch's CPU allocations of at least min_bytes (default T3D_SHM_MAPPED_BYTES, 1 MiB) come from t3d
+    memory; smaller ones from the allocator torch had. Up to cache_bytes (default T3D_CPU_ALLOCATOR_CACHE_BYTES,
+    1 GiB) of freed blocks are kept for reuse. Existing tensors are unaffected."""
+    if min_bytes is None:
+        min_bytes = _env_int("T3D_SHM_MAPPED_BYTES", 1 << 20)
+    if cache_bytes is None:
+        cache_bytes = _env_int("T3D_CPU_ALLOCATOR_CACHE_BYTES", 1 << 30)
+    if min_bytes <= 0:
+        raise ValueError(f"t3d.mem.enable_allocator: min_bytes must be positive, not {min_bytes}")
+    if cache_bytes < 0:
+        raise ValueError(f"t3d.mem.enable_allocator: cache_bytes must not be negative, not {cache_bytes}")
+    _C._mem_allocator(True, int(min_bytes), int(cache_bytes))
+
+
+def disable_allocator() -> None:
+    """Gives torch back the CPU allocator enable_allocator() replaced (tensors allocated meanwhile stay valid)."""
+    _C._mem_allocator(False)
+
+
+@contextlib.contextmanager
+def allocator(min_bytes: int | None = None, cache_bytes: int | None = None):
+    """enable_allocator() for the body of a with statement (unless it was enabled before)."""
+    was = allocator_stats()["enabled"]
+    enable_allocator(min_bytes, cache_bytes)
+    try:
+        yield
+    finally:
+        if not was:
+            disable_allocator()
+
+
+def allocator_stats() -> dict:
+    """{'enabled', 'live_bytes' (in live tensors), 'cached_bytes' (freed, kept for reuse)}."""
+    return dict(_C._mem_allocator_stats())
+
+
+def empty_allocator_cache() -> None:
+    """Frees the blocks the allocator keeps for reuse."""
+    _C._mem_allocator_empty_cache()

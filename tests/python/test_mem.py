@@ -123,3 +123,70 @@ def test_bench_sets_t3d_memory_rows_apart_from_the_peers():
     assert cells["best peer / t3d"] == "5.00x (gloo)", "t3d-mem is t3d's own variant, no peer"
     assert cells["best peer / t3d-mem"] == "8.00x (gloo)"
     assert "t3d-mem / t3d" not in head and "t3d memory" in md
+
+
+def _allocator(rank, ws):
+    import torch
+    import torch.distributed as dist
+
+    import t3d.mem
+
+    small = torch.empty(100)
+    before = t3d.mem.allocator_stats()
+    t3d.mem.enable_allocator(min_bytes=1 << 20, cache_bytes=64 << 20)
+    try:
+        x = torch.full((N,), float(rank + 1))  # plain torch: 1 MiB and more, so in t3d memory
+        tiny = torch.ones(1000)
+        assert t3d.mem.is_registered(x) and not t3d.mem.is_registered(tiny) and not t3d.mem.is_registered(small)
+        own = _mappings()
+        dist.all_reduce(x)
+        assert torch.all(x == ws * (ws + 1) / 2), x[:4]
+        mapped = _mappings() - own
+        ptr = x.data_ptr()
+        del x
+        stats = t3d.mem.allocator_stats()
+        assert stats["cached_bytes"] >= N * 4 and stats["enabled"], stats
+        y = torch.empty(N)  # the freed block again: its pages and the peers' mappings still good
+        reused = y.data_ptr() == ptr
+        dist.all_reduce(y.fill_(1.0))
+        assert torch.all(y == ws)
+    finally:
+        t3d.mem.disable_allocator()
+    z = torch.empty(N)
+    assert not t3d.mem.is_registered(z), "disable_allocator() gives torch its allocator back"
+    assert t3d.mem.is_registered(y) and torch.all(y == ws), "tensors allocated meanwhile stay valid"
+    del y
+    t3d.mem.empty_allocator_cache()
+    stats = t3d.mem.allocator_stats()
+    assert not before["enabled"] and stats["cached_bytes"] == 0 and not stats["enabled"], (before, stats)
+    return mapped, reused
+
+
+def test_allocator_puts_large_plain_tensors_in_t3d_memory():
+    for rank, (mapped, reused) in enumerate(_dist.run_world(_allocator, 2)):
+        assert mapped > 0, f"rank {rank}: the all_reduce of a plain tensor did not map the peer's"
+        assert reused, f"rank {rank}: a freed block of the same size was not reused"
+
+
+def test_allocator_arguments_are_checked():
+    import t3d.mem
+
+    with pytest.raises(ValueError, match="min_bytes"):
+        t3d.mem.enable_allocator(min_bytes=0)
+    with pytest.raises(ValueError, match="cache_bytes"):
+        t3d.mem.enable_allocator(cache_bytes=-1)
+    assert not t3d.mem.allocator_stats()["enabled"]
+
+
+def test_the_environment_turns_the_allocator_on_at_import():
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch, t3d.mem; x = torch.empty(1 << 20); "
+            "print(t3d.mem.is_registered(x), t3d.mem.is_registered(torch.empty(10)))")
+    for env, want in (({"T3D_CPU_ALLOCATOR": "1"}, "True False"), ({"T3D_CPU_ALLOCATOR": "0"}, "False False")):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                             env=dict(os.environ, **env))
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.split("\n")[-2] == want, (env, out.stdout, out.stderr[-1000:])
