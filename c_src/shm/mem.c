@@ -46,12 +46,13 @@ typedef struct mem_view {
   uint64_t used; /* for eviction: the clock of its last lookup */
 } mem_view_t;
 
-#define MEM_VIEWS 128
+#define MEM_VIEWS 1024 /* a view is evicted only when all are taken: then the least recently looked up one */
 
 static pthread_mutex_t mem_lock = PTHREAD_MUTEX_INITIALIZER;
 static mem_region_t *regions;
 static uint64_t next_id;
 static mem_view_t views[MEM_VIEWS];
+static int views_hi; /* slots at or past it were never used: lookups stop there */
 static uint64_t view_clock;
 
 /* Every allocation holds a descriptor for as long as it lives; raise the soft limit once so that many do fit. */
@@ -124,7 +125,7 @@ t3d_result_t t3d_mem_free(void *ptr) {
   while (*pp != NULL && (*pp)->base + MEM_HEADER != (char *)ptr) pp = &(*pp)->next;
   mem_region_t *r = *pp;
   if (r != NULL) *pp = r->next;
-  for (int i = 0; i < MEM_VIEWS && r != NULL; i++) { /* ranks that are threads of this process mapped it too */
+  for (int i = 0; i < views_hi && r != NULL; i++) { /* ranks that are threads of this process mapped it too */
     if (views[i].base != NULL && views[i].pid == (int)getpid() && views[i].key == r->key) drop_view(&views[i]);
   }
   pthread_mutex_unlock(&mem_lock);
@@ -179,7 +180,9 @@ static char *map_view(int pid, uint64_t key, char *err, size_t errlen) {
     return NULL;
   }
   mem_view_t *slot = NULL;
-  for (int i = 0; i < MEM_VIEWS; i++) { /* a free slot, else the least recently used */
+  /* Drops the views of allocations their owners freed, and takes a free slot (the slots in use, then the next one),
+   * else the least recently used. */
+  for (int i = 0; i < views_hi + (views_hi < MEM_VIEWS); i++) {
     mem_view_t *v = &views[i];
     if (v->base != NULL && atomic_load_explicit(&((mem_header_t *)(void *)v->base)->freed, memory_order_acquire))
       drop_view(v);
@@ -190,6 +193,7 @@ static char *map_view(int pid, uint64_t key, char *err, size_t errlen) {
     }
   }
   if (slot->base != NULL) drop_view(slot);
+  if (slot - views >= views_hi) views_hi = (int)(slot - views) + 1;
   slot->pid = pid;
   slot->key = key;
   slot->base = base;
@@ -201,7 +205,7 @@ char *t3d__mem_peer(int pid, uint64_t key, uint64_t off, size_t bytes, char *err
   char *base = NULL;
   size_t map_bytes = 0;
   pthread_mutex_lock(&mem_lock);
-  for (int i = 0; i < MEM_VIEWS && base == NULL; i++) {
+  for (int i = 0; i < views_hi && base == NULL; i++) {
     mem_view_t *v = &views[i];
     if (v->base == NULL || v->pid != pid || v->key != key) continue;
     if (atomic_load_explicit(&((mem_header_t *)(void *)v->base)->freed, memory_order_acquire)) {
@@ -214,7 +218,7 @@ char *t3d__mem_peer(int pid, uint64_t key, uint64_t off, size_t bytes, char *err
   }
   if (base == NULL) {
     base = map_view(pid, key, err, errlen);
-    for (int i = 0; i < MEM_VIEWS && base != NULL; i++) {
+    for (int i = 0; i < views_hi && base != NULL; i++) {
       if (views[i].base == base) {
         views[i].used = ++view_clock;
         map_bytes = views[i].map_bytes;
