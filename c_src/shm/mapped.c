@@ -9,9 +9,8 @@
  * which each rank writes into its info line where its input and output are (allocation key and offset, or key 0:
  * not t3d memory, or a layout this file does not take) and posts; once all have, every rank reads the same lines
  * and takes the mapped path only if every rank offered. Otherwise the segment's algorithm follows (the offer cost
- * one exchange of flags). A step has three phases: 1 offered, 2 the first half of the work done (allreduce), 3 done
- * with the peers' buffers; a rank returns only once every rank has posted 3, since until then they may use its
- * buffers. */
+ * one exchange of flags). A step has three phases: 1 offered, 3 done with the peers' buffers (2 is not used); a
+ * rank returns only once every rank has posted 3, since until then they may use its buffers. */
 #include "shm.h"
 
 #include <stdio.h>
