@@ -68,9 +68,8 @@ def is_registered(t: torch.Tensor) -> bool:
     return bool(_C._mem_owns(t.data_ptr(), t.numel() * t.element_size()))
 
 
-def _env_int(name: str, default: int) -> int:
-    """An integer variable as libt3d reads them (base 0: 0x hex); unset or unparsable: the default."""
-    text = os.environ.get(name, "")
+def _env_int(text: str, default: int) -> int:
+    """An integer variable's text as libt3d reads them (base 0: 0x hex); empty or unparsable: the default."""
     try:
         return int(text, 0) if text else default
     except ValueError:
@@ -82,9 +81,9 @@ def enable_allocator(min_bytes: int | None = None, cache_bytes: int | None = Non
     memory; smaller ones from the allocator torch had. Up to cache_bytes (default T3D_CPU_ALLOCATOR_CACHE_BYTES,
     1 GiB) of freed blocks are kept for reuse. Existing tensors are unaffected."""
     if min_bytes is None:
-        min_bytes = _env_int("T3D_SHM_MAPPED_BYTES", 1 << 20)
+        min_bytes = _env_int(os.environ.get("T3D_SHM_MAPPED_BYTES", ""), 1 << 20)
     if cache_bytes is None:
-        cache_bytes = _env_int("T3D_CPU_ALLOCATOR_CACHE_BYTES", 1 << 30)
+        cache_bytes = _env_int(os.environ.get("T3D_CPU_ALLOCATOR_CACHE_BYTES", ""), 1 << 30)
     if min_bytes <= 0:
         raise ValueError(f"t3d.mem.enable_allocator: min_bytes must be positive, not {min_bytes}")
     if cache_bytes < 0:
