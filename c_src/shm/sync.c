@@ -130,10 +130,8 @@ void t3d__shm_report_failure(t3d_shm_t *s, t3d_result_t res, const char *msg) {
   atomic_store_explicit(&h->failed_ready, 1, memory_order_release);
 }
 
-/* Checked between polls of a wait (every 16th round, after abort and deadline): another rank reported that the
- * communicator broke (its error becomes this operation's), or a rank awaited here has no process any more (checked
- * every s->liveness_ns; ranks that are threads of this process, or whose process id is not written yet, are not). */
-static t3d_result_t check_peers(t3d_shm_t *s, t3d_exec_t *ex, int lo, int hi, uint64_t target) {
+/* Another rank's report that the communicator broke, as this operation's error; T3D_OK when there is none. */
+static t3d_result_t reported(t3d_shm_t *s, t3d_exec_t *ex) {
   const t3d_shm_header_t *h = header(s);
   uint64_t f = atomic_load_explicit(&h->failed, memory_order_acquire);
   if (f != 0 && f != (uint64_t)s->rank + 1) {
@@ -155,7 +153,15 @@ static t3d_result_t check_peers(t3d_shm_t *s, t3d_exec_t *ex, int lo, int hi, ui
     ex->error[used + len] = '\0';
     return ready && h->failed_code < 0 ? (t3d_result_t)h->failed_code : T3D_ERR_ABORTED;
   }
-  if (s->liveness_ns == 0) return T3D_OK;
+  return T3D_OK;
+}
+
+/* Checked between polls of a wait (every 16th round, after abort and deadline): another rank reported that the
+ * communicator broke (its error becomes this operation's), or a rank awaited here has no process any more (checked
+ * every s->liveness_ns; ranks that are threads of this process, or whose process id is not written yet, are not). */
+static t3d_result_t check_peers(t3d_shm_t *s, t3d_exec_t *ex, int lo, int hi, uint64_t target) {
+  t3d_result_t res = reported(s, ex);
+  if (res != T3D_OK || s->liveness_ns == 0) return res;
   uint64_t now = t3d__now_ns();
   if (now - s->alive_checked < s->liveness_ns) return T3D_OK;
   s->alive_checked = now;
@@ -163,6 +169,9 @@ static t3d_result_t check_peers(t3d_shm_t *s, t3d_exec_t *ex, int lo, int hi, ui
     if (p == s->rank || atomic_load_explicit(t3d__shm_flag(s, p), memory_order_acquire) >= target) continue;
     int32_t pid = atomic_load_explicit(t3d__shm_pid(s, p), memory_order_acquire);
     if (pid <= 0 || pid == (int32_t)s->pid || !t3d__shm_process_gone(pid)) continue;
+    /* A rank that failed reports it before it can exit: its report, if it made one since the check above, says
+     * more than its death does. */
+    if ((res = reported(s, ex)) != T3D_OK) return res;
     char names[256];
     describe_missing(s, lo, hi, target, names, sizeof names);
     snprintf(ex->error, sizeof ex->error, "t3d: %s #%llu on group '%s' (rank %d of %d) lost rank %d: its process "
