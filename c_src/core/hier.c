@@ -337,8 +337,18 @@ static const t3d_coll_ops_t hier_coll = {
     .reduce_scatterv = hier_reduce_scatterv,
 };
 
+/* The group broke (core/run.c), maybe told by another host while this rank was between collectives: the host's
+ * other ranks may be waiting for this one in the child's segment, in a collective it will now never run, and must
+ * read why there rather than find its process gone once it exits. */
+static void hier_broken(t3d_comm_t *comm, t3d_result_t res, const char *msg) {
+  if (comm->hier == NULL) return;
+  t3d__fail_comm(comm->hier->local, res, msg);
+  t3d__provider_shm.broken(comm->hier->local, res, msg);
+}
+
 const t3d_provider_t t3d__provider_hier = {
     .name = "hier",
     .fits = hier_fits,
     .coll = &hier_coll,
+    .broken = hier_broken,
 };

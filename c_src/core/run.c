@@ -159,6 +159,13 @@ void t3d__exec_init(t3d_comm_t *comm, t3d_request_t *r, t3d_exec_t *ex) {
   ex->deadline_ns = r->resume ? r->deadline_ns : ex->start_ns + (uint64_t)r->timeout_ms * 1000000ull;
 }
 
+/* Every provider that keeps state its peers wait on (a segment) learns that the communicator broke. */
+static void tell_providers(t3d_comm_t *comm, t3d_result_t res, const char *msg) {
+  for (const t3d_provider_t *const *p = t3d__providers(); *p != NULL; p++) {
+    if ((*p)->broken != NULL) (*p)->broken(comm, res, msg);
+  }
+}
+
 /* ex->error is filled in if empty. */
 void t3d__record_failure(t3d_comm_t *comm, t3d_exec_t *ex, t3d_result_t res) {
   if (ex->error[0] == '\0') {
@@ -170,9 +177,7 @@ void t3d__record_failure(t3d_comm_t *comm, t3d_exec_t *ex, t3d_result_t res) {
   if (res == T3D_ERR_TIMEOUT || res == T3D_ERR_PEER_LOST || res == T3D_ERR_ABORTED || res == T3D_ERR_MISMATCH ||
       res == T3D_ERR_TRANSPORT) {
     t3d__fail_comm(comm, res, ex->error);
-    for (const t3d_provider_t *const *p = t3d__providers(); *p != NULL; p++) {
-      if ((*p)->broken != NULL) (*p)->broken(comm, res, ex->error);
-    }
+    tell_providers(comm, res, ex->error);
     t3d__watch_tell(comm, res, ex->error); /* groups not on one host's segment (base/watch.h) */
   } else {
     t3d__set_error(comm, res, "%s", ex->error);
@@ -194,6 +199,9 @@ void t3d__run_collective(t3d_comm_t *comm, t3d_request_t *r, int release) {
     snprintf(msg, sizeof msg, "t3d: %s #%llu on group '%s' (rank %d) not run: the communicator is broken by an "
              "earlier error: %s", t3d__op_name(r->kind), (unsigned long long)r->seq, comm->name, comm->rank,
              comm->fatal_msg);
+    /* Broken from outside (another host told this one): peers on this host may be waiting for this rank in a
+     * segment; they hear it from there (the first report in a segment wins, so telling again costs nothing). */
+    tell_providers(comm, (t3d_result_t)fatal, msg);
     if (release) t3d__release_engine(comm);
     t3d__request_complete(r, (t3d_result_t)fatal, msg);
     return;
