@@ -158,8 +158,9 @@ int t3d__mem_find(const void *ptr, size_t bytes, uint64_t *key, uint64_t *off) {
   return found;
 }
 
-/* Maps peer pid's allocation `key`; NULL with err set on failure. Called with mem_lock held. */
-static char *map_view(int pid, uint64_t key, char *err, size_t errlen) {
+/* Maps peer pid's allocation `key` into a view slot (its bytes in *map_bytes); NULL with err set on failure.
+ * Called with mem_lock held. */
+static char *map_view(int pid, uint64_t key, size_t *map_bytes, char *err, size_t errlen) {
   char path[64];
   snprintf(path, sizeof path, "/proc/%d/fd/%d", pid, (int)(key & ((1u << 20) - 1)));
   int fd = open(path, O_RDWR | O_CLOEXEC);
@@ -198,6 +199,8 @@ static char *map_view(int pid, uint64_t key, char *err, size_t errlen) {
   slot->key = key;
   slot->base = base;
   slot->map_bytes = (size_t)st.st_size;
+  slot->used = ++view_clock;
+  *map_bytes = slot->map_bytes;
   return base;
 }
 
@@ -216,15 +219,7 @@ char *t3d__mem_peer(int pid, uint64_t key, uint64_t off, size_t bytes, char *err
     base = v->base;
     map_bytes = v->map_bytes;
   }
-  if (base == NULL) {
-    base = map_view(pid, key, err, errlen);
-    for (int i = 0; i < views_hi && base != NULL; i++) {
-      if (views[i].base == base) {
-        views[i].used = ++view_clock;
-        map_bytes = views[i].map_bytes;
-      }
-    }
-  }
+  if (base == NULL) base = map_view(pid, key, &map_bytes, err, errlen);
   pthread_mutex_unlock(&mem_lock);
   if (base == NULL) return NULL;
   if (off < MEM_HEADER || off > map_bytes || bytes > map_bytes - off) {
