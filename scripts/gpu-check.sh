@@ -81,6 +81,16 @@ if [ "$MODE" = prepare ]; then
   cp -rL "$GTEST_SRC" "$KIT/googletest.tmp"
   rm -rf "$KIT/googletest"
   mv "$KIT/googletest.tmp" "$KIT/googletest"
+  # Python packages the GPU machines lack that the training demo needs (datasets, and what it needs beyond their
+  # image): wheels for their Python 3.12, installed there into $BUILD/kit-site.
+  rm -rf "$KIT/wheels"
+  if [ -n "${T3D_GPU_KIT_WHEELS-datasets==4.4.1 dill==0.4.0 multiprocess==0.70.18}" ]; then
+    # shellcheck disable=SC2086
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d "$KIT/wheels" \
+      ${T3D_GPU_KIT_WHEELS-datasets==4.4.1 dill==0.4.0 multiprocess==0.70.18} \
+      || echo "gpu-check.sh prepare: warning: could not download the kit's wheels (the training step will fail there)" >&2
+  fi
   commit="$(git -C "$ROOT" rev-parse HEAD 2>/dev/null || echo unknown)"
   dirty="$(git -C "$ROOT" status --porcelain --untracked-files=no 2>/dev/null | wc -l)"
   gver="$(dpkg-query -W -f='${Version}' googletest 2>/dev/null || echo unknown)"
@@ -320,6 +330,17 @@ step_kit() {
     echo "GoogleTest sources: $KIT/googletest ($(sed -n 's/^GOOGLETEST=//p' "$KIT/kit.env" 2>/dev/null))" | tee "$STEP_DETAIL"
     echo "-DT3D_GTEST_SOURCE_DIR=$KIT/googletest" >"$STATE/gtest.args"
     echo "-DCMAKE_DISABLE_FIND_PACKAGE_GTest=ON" >>"$STATE/gtest.args"
+    if ls "$KIT"/wheels/*.whl >/dev/null 2>&1; then
+      rm -rf "$BUILD/kit-site"
+      # The wheels are for the GPU machines' Python 3.12; elsewhere they may not install (only train-cuda needs them).
+      if "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$BUILD/kit-site" \
+           "$KIT"/wheels/*.whl; then
+        echo "; wheels into $BUILD/kit-site: $(cd "$KIT/wheels" && ls ./*.whl | sed 's|^\./||; s/-py.*//' | tr '\n' ' ')"
+      else
+        rm -rf "$BUILD/kit-site"
+        echo "; the kit's wheels do not install for $PY (see the kit log)"
+      fi | tee -a "$STEP_DETAIL"
+    fi
     return 0
   fi
   # No kit: GoogleTest from the machine, if it has any; else the build goes on without the C tests.
@@ -412,7 +433,7 @@ EOF
     echo "(no t3d/_C_cuda*.so: the CUDA kernels were not built, see configure)" >>"$STEP_DETAIL"
   fi
 }
-py_env() { export PYTHONPATH="$SITE" PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4; }
+py_env() { export PYTHONPATH="$SITE${KIT_SITE:+:$KIT_SITE}" PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4; }
 # A native crash in a Python step is reported with its C/C++ backtrace: scripts/crash_backtrace.c, built here with
 # the machine's C compiler, is preloaded into the step's processes; symbolize_crash turns its module(+offset) frames
 # into function names (addr2line) and appends them to the step's section of the report.
@@ -453,7 +474,9 @@ pytest_step() {  # pytest args...: fails unless something passed and nothing fai
   py_env
   local rc=0
   crash_preload
-  (cd "$ROOT" && "$PY" -m pytest -q -rs -p no:cacheprovider "$@") 2>&1 | tee "$STATE/pytest.out" || rc=$?
+  # T3D_GPU_CHECK_PYTEST_ARGS: more pytest arguments for every pytest step (e.g. -k to select tests).
+  # shellcheck disable=SC2086
+  (cd "$ROOT" && "$PY" -m pytest -q -rs -p no:cacheprovider "$@" ${T3D_GPU_CHECK_PYTEST_ARGS:-}) 2>&1 | tee "$STATE/pytest.out" || rc=$?
   grep -E '^(=+ )?[0-9]+ (passed|failed|skipped|error|deselected)' "$STATE/pytest.out" | tail -n 1 | sed 's/=//g' \
     >"$STEP_DETAIL" || echo "pytest exit status $rc" >"$STEP_DETAIL"
   grep -E '^SKIPPED' "$STATE/pytest.out" | head -n 20 | sed 's/^/    /' >"$STEP_SHOW" || true
@@ -529,7 +552,8 @@ export -f cores step_env step_kit cmake_args step_configure step_build step_buil
 export NCCL_WHEEL_NAME
 
 run_step env 120 step_env
-run_step kit 30 step_kit
+run_step kit 60 step_kit
+[ -d "$BUILD/kit-site" ] && KIT_SITE="$BUILD/kit-site" && export KIT_SITE
 [ -f "$STATE/gtest.args" ] || : >"$STATE/gtest.args"
 run_step configure 300 step_configure
 run_step build 1200 step_build configure

@@ -35,6 +35,21 @@ export OMP_NUM_THREADS=1
 "$VENV/bin/python" -m pytest -q --durations=25 tests/python --ignore=tests/python/test_wheel.py "$@"
 stage_done "Python newest"
 
+# transformers 5.17, the GPU machines' (docs/benchmarks/gpu/): between the two ends, with a tensor-parallel API of
+# its own (5.16 .. 5.22: no _resolve_parallel_plans). Only transformers changes: its wheel alone, kept outside the
+# clone like the venvs, ahead of the newest venv's on PYTHONPATH; the TP adapters and the 3-D training run on it.
+MID_TF=5.17.0
+MID="${XDG_CACHE_HOME:-$HOME/.cache}/t3d/transformers-$MID_TF"
+if [ ! -f "$MID/.complete" ]; then
+  rm -rf "$MID"
+  "$VENV/bin/python" -m pip install -q --no-deps --no-compile --target "$MID" "transformers==$MID_TF"
+  touch "$MID/.complete"
+fi
+echo "== transformers $MID_TF (the GPU machines'), newest torch"
+PYTHONPATH="$MID${PYTHONPATH:+:$PYTHONPATH}" "$VENV/bin/python" -m pytest -q tests/python/test_compat.py \
+  tests/python/test_train.py -k "tp_api or mesh_loading or tp_adapters or (test_equivalence and dp2xtp2xcp2)"
+stage_done "transformers $MID_TF"
+
 # The oldest stack: the package as `pip wheel .` builds it against that torch, installed (not editable) into the
 # oldest venv, then the wheel's own test and every Python test that touches a version-dependent path.
 OLD="$(scripts/setup.sh --stack oldest | tail -n 1)"

@@ -244,11 +244,18 @@ def _cp_t3d_against_torch(rank, ws):
         for who in ("torch", "t3d"):
             t3d.cp.enable(cuda=who == "t3d")
             for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
-                qc, kc, vc = (x.clone().requires_grad_() for x in (q, k, v))
+                # Buffers are sharded and restored in place (resize_), which torch refuses for tensors that require
+                # grad: they require it only between the two, as in torch's own context-parallel tests.
+                qc, kc, vc = (x.clone() for x in (q, k, v))
                 with sdpa_kernel([backend]), context_parallel(mesh, buffers=[qc, kc, vc], buffer_seq_dims=[2, 2, 2]):
+                    for x in (qc, kc, vc):
+                        x.requires_grad_()
                     out = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True)
                     out.float().square().mean().backward()
                     full = cp_unshard(mesh, [out.detach()], [2])[0]
+                    for x in (qc, kc, vc):
+                        assert x.grad is not None and x.grad.shape == x.shape, f"{who} {backend}: no gradient"
+                        x.requires_grad_(False)
                 torch.testing.assert_close(full.float(), ref.float(), atol=2e-2, rtol=2e-2,
                                            msg=lambda m: f"{who} {backend}: {m}")
     finally:

@@ -1,12 +1,14 @@
 # scripts/gpu-check.sh on a machine without a GPU: `prepare` makes the kit (GoogleTest's sources) in a temporary
 # directory, then the check runs its kit check and its build as on a GPU machine (T3D_WITH_UCX=OFF, GoogleTest from
 # the kit, modules staged by `cmake --install` outside the source tree) and must record every GPU step as skipped with
-# its reason. The build links with LDFLAGS=-static-libstdc++, as the GPU machines' compiler does by default, and the
-# staged module must still load the shared libstdc++. To stay short it builds only the library, the CPU kernels and
+# its reason. The build uses a compiler like the GPU machines' (/opt/gcc: a g++ whose own library directory holds only
+# libstdc++.a, so that `-lstdc++` links it statically and -print-file-name finds no libstdc++.so) with
+# LDFLAGS=-static-libstdc++, and the staged module must still load the shared libstdc++. To stay short it builds only the library, the CPU kernels and
 # the shim (GoogleTest from the kit is configured, not compiled), without the CUDA kernels; the full build, tests
 # included, is what the GPU machine runs.
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -33,13 +35,34 @@ def _steps(report):
     return rows
 
 
+def _static_only_gxx(where):
+    """A g++ like the GPU machines' /opt/gcc/bin/g++: its library directory has libstdc++.a and no libstdc++.so."""
+    real = shutil.which("g++")
+    if real is None:
+        pytest.skip("no g++")
+    static = subprocess.run([real, "-print-file-name=libstdc++.a"], capture_output=True, text=True).stdout.strip()
+    if not os.path.isabs(static):
+        pytest.skip("g++ has no libstdc++.a")
+    lib = where / "lib"
+    lib.mkdir(parents=True)
+    os.symlink(static, lib / "libstdc++.a")
+    gxx = where / "g++"
+    gxx.write_text("#!/bin/sh\n"
+                   'for a in "$@"; do [ "$a" = -print-file-name=libstdc++.so ] && { echo libstdc++.so; exit 0; }; done\n'
+                   f'exec {real} -L{lib} "$@"\n')
+    gxx.chmod(0o755)
+    return str(gxx)
+
+
 @pytest.mark.timeout(900)
 @pytest.mark.skipif(not os.path.isfile(os.path.join(GTEST_SRC, "CMakeLists.txt")),
                     reason=f"no GoogleTest sources in {GTEST_SRC} (Debian: googletest)")
 def test_prepare_and_build_without_gpu(tmp_path):
     pytest.importorskip("torch")
     kit, out, build = tmp_path / "kit", tmp_path / "out", tmp_path / "build"
-    r = subprocess.run(["bash", SCRIPT, "prepare", "--kit", str(kit)], capture_output=True, text=True, timeout=120)
+    # T3D_GPU_KIT_WHEELS empty: no wheels for the training demo (a download from PyPI; nothing here needs them).
+    r = subprocess.run(["bash", SCRIPT, "prepare", "--kit", str(kit)], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "T3D_GPU_KIT_WHEELS": ""})
     assert r.returncode == 0, r.stdout + r.stderr
     assert (kit / "googletest" / "CMakeLists.txt").is_file()
     assert re.search(r"COMMIT=\S+", (kit / "kit.env").read_text())
@@ -54,7 +77,8 @@ def test_prepare_and_build_without_gpu(tmp_path):
         # The GPU machines' gcc links libstdc++ statically unless told otherwise; so does this build: the staged
         # module must still load the shared libstdc++ (the stage step checks it).
         # OMP_NUM_THREADS=1 as scripts/test.sh exports it: the build must still use every core.
-        env={**os.environ, "LDFLAGS": "-static-libstdc++", "OMP_NUM_THREADS": "1"})
+        env={**os.environ, "CXX": _static_only_gxx(tmp_path / "gcc"), "LDFLAGS": "-static-libstdc++",
+             "OMP_NUM_THREADS": "1"})
     report_path = out / "gpu-check-report.md"
     assert report_path.is_file(), r.stdout[-4000:] + r.stderr[-4000:]
     report = report_path.read_text()

@@ -2,7 +2,7 @@
 
 - torch_compat: torch 2.9 .. 2.15 (context-parallel hook table and options, mesh flattening, FSDP1 FlatParameter
   layout, default process group and its backend, backend registry).
-- hf_compat: transformers 4.57 .. 5.x (tensor-parallel plan application and model loading on a given TP mesh).
+- hf_compat: transformers 4.57 .. 4.x and 5.16 .. 5.x (tensor-parallel plan application and model loading on a given TP mesh).
 
 Each picks its implementation by feature detection, ordered by the installed version, and raises
 `CompatError` (a RuntimeError) with one line naming the installed version and the missing piece when neither the

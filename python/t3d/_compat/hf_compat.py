@@ -1,4 +1,5 @@
-"""transformers internals t3d uses, in one place (tested: transformers 4.57.6 and 5.24.0; supported 4.57 .. 5.x).
+"""transformers internals t3d uses, in one place (tested: transformers 4.57.6, 5.17.0 and 5.24.0;
+supported 4.57 .. 4.x and 5.16 .. 5.x).
 
 Tensor parallelism over a mesh that t3d (or a script) built, e.g. the "tp" dimension of a (dp, tp, cp) mesh:
 
@@ -15,6 +16,11 @@ Tensor parallelism over a mesh that t3d (or a script) built, e.g. the "tp" dimen
   turns each weight into a DTensor with distribute_tensor(..., src_data_rank=None): after a full load (the same
   weights on every rank) each rank keeps its own slice, no communication.
 
+  Before 5.24 (5.16 .. 5.22) there is no _resolve_parallel_plans: apply_tensor_parallelism(model, mesh) shards
+  by model.tp_plan (the model's plan with its base model's; a dict given replaces it, as from_pretrained does
+  there). 5.0 .. 5.15 have neither API (their tensor parallelism is 4.x's without _load_state_dict_into_meta_model)
+  and are refused with the one line below. Seen: transformers 5.17.0 on the GPU machines.
+
 `tp_api()` says which applies; `apply_tp_plan` / `load_on_tp_mesh` / `install_mesh_loading_fix` hide the difference.
 A transformers with neither API fails with one CompatError line naming its version and the missing pieces.
 """
@@ -30,13 +36,13 @@ import torch
 from . import CompatError, version_tuple
 
 TESTED = ((4, 57), (5, 24))  # oldest and newest transformers (major, minor) the test suite runs on
+V5_FIRST = (5, 16)  # the first 5.x with apply_tensor_parallelism: 5.0 .. 5.15 are not supported
 
 V4_PIECES = ("transformers.integrations.tensor_parallel.distribute_model",
              "transformers.integrations.tensor_parallel.shard_and_distribute_module",
              "transformers.modeling_utils._load_state_dict_into_meta_model")
 V5_PIECES = ("transformers.distributed.tensor_parallel.apply_tensor_parallelism",
-             "transformers.distributed.DistributedConfig",
-             "transformers.PreTrainedModel._resolve_parallel_plans")
+             "transformers.distributed.DistributedConfig")
 
 
 def transformers_version() -> str:
@@ -80,7 +86,7 @@ def tp_api() -> str:
     raise CompatError(
         f"t3d.hf: transformers {transformers_version()} has no tensor-parallel API t3d knows (missing "
         f"{', '.join(missing['v5'])} (5.x) and {', '.join(missing['v4'])} (4.x); t3d supports transformers "
-        f"{lo[0]}.{lo[1]}..{hi[0]}.x)")
+        f"{lo[0]}.{lo[1]}..{lo[0]}.x and {V5_FIRST[0]}.{V5_FIRST[1]}..{hi[0]}.x)")
 
 
 def _tp_submesh(mesh):
@@ -106,8 +112,15 @@ def apply_tp_plan(model, tp_mesh, tp_plan="auto"):
         from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
         cfg = DistributedConfig(tp_size=tp, tp_plan=tp_plan)  # tp_size given: nothing is derived from WORLD_SIZE
-        plan, _, _ = model._resolve_parallel_plans(cfg)
-        model = apply_tensor_parallelism(model, tp_mesh, plan)
+        if hasattr(model, "_resolve_parallel_plans"):  # 5.24 on
+            plan, _, _ = model._resolve_parallel_plans(cfg)
+            model = apply_tensor_parallelism(model, tp_mesh, plan)
+        else:  # 5.16 .. 5.22: the plan is the model's own
+            if isinstance(tp_plan, dict):
+                model.tp_plan = tp_plan
+            elif tp_plan != "auto":
+                raise ValueError(f"t3d.hf: tp_plan must be 'auto' or a dict, got {tp_plan!r}")
+            model = apply_tensor_parallelism(model, tp_mesh)
         # What maybe_distribute_model records for a TP-only config (read by save_pretrained and the Trainer).
         model.config.distributed_config = cfg
         model._device_mesh = tp_mesh
