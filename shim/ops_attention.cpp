@@ -46,6 +46,9 @@ void checkCpu(const char* op, const at::Tensor& t, const char* name) {
               t.device());
 }
 
+bool isHalf(const at::Tensor& t) { return t.scalar_type() == at::kHalf; }
+at::Tensor toFloat(const at::Tensor& t) { return t.to(at::kFloat); }
+
 std::tuple<at::Tensor, at::Tensor> attentionCpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                 bool causal, std::optional<double> scale, int64_t qStart,
                                                 int64_t kStart) {
@@ -53,6 +56,10 @@ std::tuple<at::Tensor, at::Tensor> attentionCpu(const at::Tensor& q, const at::T
   checkQkv(op, q, k, v);
   checkCpu(op, q, "q");
   float s = checkScale(op, scale);
+  if (isHalf(q)) {  // the CPU kernels have no float16: float32 copies in, the result rounded to float16
+    auto [out, lse] = attentionCpu(toFloat(q), toFloat(k), toFloat(v), causal, scale, qStart, kStart);
+    return {out.to(at::kHalf), lse};
+  }
   ForwardArgs a = prepareForward(q, k, v);
   if (a.done) return {a.out, a.lse};
   t3d_attn_exec_t e = atenExec();
@@ -73,6 +80,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attentionBackwardCpu(
   checkLse(op, "lse", lse, q);
   checkCpu(op, q, "q");
   float s = checkScale(op, scale);
+  if (isHalf(q)) {  // as the forward: in float32, gradients rounded to float16
+    auto [dq, dk, dv] = attentionBackwardCpu(toFloat(dout), toFloat(q), toFloat(k), toFloat(v), toFloat(out), lse,
+                                             causal, scale, qStart, kStart);
+    return {dq.to(at::kHalf), dk.to(at::kHalf), dv.to(at::kHalf)};
+  }
   at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
   at::Tensor dc = dout.contiguous(), oc = out.contiguous(), lc = lse.contiguous();
   const int64_t b = q.size(0), hq = q.size(1), sq = q.size(2), d = q.size(3), hk = k.size(1), sk = k.size(2);
@@ -99,7 +111,13 @@ void attentionMergeCpu(const at::Tensor& out, const at::Tensor& lse, const at::T
   checkMerge(out, lse, blockOut, blockLse);
   checkCpu(op, out, "out");
   if (out.numel() == 0) return;
-  at::Tensor bo = blockOut.contiguous(), bl = blockLse.contiguous();
+  if (isHalf(out)) {  // merged into a float32 copy of out, then written back rounded
+    at::Tensor out32 = toFloat(out);
+    attentionMergeCpu(out32, lse, blockOut, blockLse);
+    out.copy_(out32);
+    return;
+  }
+  at::Tensor bo = isHalf(blockOut) ? toFloat(blockOut) : blockOut.contiguous(), bl = blockLse.contiguous();
   t3d_attn_exec_t e = atenExec();
   int rc = t3d_attn_merge(attnDtype(out), out.data_ptr(), lse.data_ptr<float>(), attnDtype(bo), bo.data_ptr(),
                           bl.data_ptr<float>(), out.size(0) * out.size(1) * out.size(2), out.size(3), &e);

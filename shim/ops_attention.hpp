@@ -11,6 +11,11 @@
 
 namespace t3d_ops {
 
+// float32, bfloat16 and float16 (the CPU kernels take float16 through float32 copies).
+inline bool attnDtypeOk(const at::Tensor& t) {
+  return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf;
+}
+
 inline void checkQkv(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   const char* names[3] = {"q", "k", "v"};
   const at::Tensor* ts[3] = {&q, &k, &v};
@@ -19,8 +24,8 @@ inline void checkQkv(const char* op, const at::Tensor& q, const at::Tensor& k, c
     TORCH_CHECK(t.defined(), "t3d.", op, ": '", names[i], "' is undefined");
     TORCH_CHECK(t.dim() == 4, "t3d.", op, ": '", names[i], "' must be 4-D [batch, heads, seq, head_dim], got ",
                 t.dim(), "-D ", t.sym_sizes());
-    TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, "t3d.", op, ": '", names[i],
-                "' must be float32 or bfloat16, got ", t.scalar_type());
+    TORCH_CHECK(attnDtypeOk(t), "t3d.", op, ": '", names[i], "' must be float32, bfloat16 or float16, got ",
+                t.scalar_type());
     TORCH_CHECK(t.scalar_type() == q.scalar_type(), "t3d.", op, ": '", names[i], "' has dtype ", t.scalar_type(),
                 " but 'q' has ", q.scalar_type());
     TORCH_CHECK(t.device() == q.device(), "t3d.", op, ": '", names[i], "' is on ", t.device(), " but 'q' is on ",
@@ -72,10 +77,10 @@ inline void checkMerge(const at::Tensor& out, const at::Tensor& lse, const at::T
                 const at::Tensor& blockLse) {
   const char* op = "attention_merge_";
   TORCH_CHECK(out.defined() && blockOut.defined(), "t3d.", op, ": 'out' and 'block_out' must be defined");
-  TORCH_CHECK(out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16, "t3d.", op,
-              ": 'out' must be float32 or bfloat16, got ", out.scalar_type());
-  TORCH_CHECK(blockOut.scalar_type() == at::kFloat || blockOut.scalar_type() == at::kBFloat16, "t3d.", op,
-              ": 'block_out' must be float32 or bfloat16, got ", blockOut.scalar_type());
+  TORCH_CHECK(attnDtypeOk(out), "t3d.", op, ": 'out' must be float32, bfloat16 or float16, got ",
+              out.scalar_type());
+  TORCH_CHECK(attnDtypeOk(blockOut), "t3d.", op, ": 'block_out' must be float32, bfloat16 or float16, got ",
+              blockOut.scalar_type());
   TORCH_CHECK(out.dim() == 4, "t3d.", op, ": 'out' must be 4-D [batch, heads, seq, head_dim], got ", out.sym_sizes());
   TORCH_CHECK(blockOut.sym_sizes() == out.sym_sizes(), "t3d.", op, ": 'block_out' has shape ", blockOut.sym_sizes(),
               " but must match 'out' ", out.sym_sizes());

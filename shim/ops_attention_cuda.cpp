@@ -16,7 +16,7 @@ namespace t3d_ops {
 namespace {
 
 int cudaDtype(const at::Tensor& t) {
-  return t.scalar_type() == at::kBFloat16 ? 1 : 0;
+  return t.scalar_type() == at::kBFloat16 ? 1 : t.scalar_type() == at::kHalf ? 2 : 0;
 }
 
 void checkCuda(const char* op, const at::Tensor& t, const char* name) {

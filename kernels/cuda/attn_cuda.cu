@@ -1,7 +1,8 @@
 // attn_cuda.cu: simple tiled CUDA attention kernels (forward with online softmax, backward, merge) implementing the
-// contract of t3d_attn.h. Inputs float32 or bfloat16, float32 accumulation. Correctness first: one warp owns a few
+// contract of t3d_attn.h. Inputs float32, bfloat16 or float16, float32 accumulation. Correctness first: one warp owns a few
 // query (or key) rows, lanes split head_dim, key/query tiles are staged in shared memory as float32.
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <math.h>
@@ -20,6 +21,7 @@ constexpr int kMaxHeadDim = 256;
 
 __device__ __forceinline__ float toF(float x) { return x; }
 __device__ __forceinline__ float toF(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float toF(__half x) { return __half2float(x); }
 
 template <typename T>
 __device__ __forceinline__ T fromF(float x);
@@ -27,6 +29,8 @@ template <>
 __device__ __forceinline__ float fromF<float>(float x) { return x; }
 template <>
 __device__ __forceinline__ __nv_bfloat16 fromF<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
+template <>
+__device__ __forceinline__ __half fromF<__half>(float x) { return __float2half(x); }
 
 __device__ __forceinline__ float warpSum(float x) {
 #pragma unroll
@@ -363,7 +367,7 @@ __global__ void __launch_bounds__(kThreads) mergeKernel(TO* __restrict__ out, fl
 // ---- launch helpers -------------------------------------------------------------------------------------------
 
 bool argsOk(int dtype, int64_t batch, int64_t hq, int64_t hk, int64_t sq, int64_t sk, int64_t d) {
-  if (dtype != 0 && dtype != 1) return false;
+  if (dtype < 0 || dtype > 2) return false;
   if (batch < 0 || hq <= 0 || hk <= 0 || sq < 0 || sk < 0 || d <= 0 || d > kMaxHeadDim) return false;
   if (hq % hk != 0) return false;
   if (batch * hq > 0x7fffffffLL) return false;
@@ -434,6 +438,15 @@ float resolveScale(float scale, int64_t d) {
 
 }  // namespace
 
+// The block's dtype, for an out of dtype TO.
+template <typename TO>
+int mergeOut(int block_dtype, void* out, float* lse, const void* block_out, const float* block_lse, int64_t rows,
+             int64_t head_dim, cudaStream_t st) {
+  if (block_dtype == 0) return mergeT<TO, float>(out, lse, block_out, block_lse, rows, head_dim, st);
+  if (block_dtype == 2) return mergeT<TO, __half>(out, lse, block_out, block_lse, rows, head_dim, st);
+  return mergeT<TO, __nv_bfloat16>(out, lse, block_out, block_lse, rows, head_dim, st);
+}
+
 // Dispatches on dtype and on the registers each lane needs for a head_dim row (ceil(d / 32) floats).
 #define T3D_DISPATCH_EPL(d, FN, T, ...) \
   ((d) <= 32 ? FN<T, 1>(__VA_ARGS__)    \
@@ -452,6 +465,9 @@ extern "C" int t3d_attn_cuda_forward(int dtype, const void* q, const void* k, co
   if (dtype == 0)
     return T3D_DISPATCH_EPL(head_dim, forwardT, float, q, k, v, out, lse, batch, q_heads, kv_heads, seq_q, seq_k,
                             head_dim, causal, s, q_start, k_start, st);
+  if (dtype == 2)
+    return T3D_DISPATCH_EPL(head_dim, forwardT, __half, q, k, v, out, lse, batch, q_heads, kv_heads, seq_q, seq_k,
+                            head_dim, causal, s, q_start, k_start, st);
   return T3D_DISPATCH_EPL(head_dim, forwardT, __nv_bfloat16, q, k, v, out, lse, batch, q_heads, kv_heads, seq_q,
                           seq_k, head_dim, causal, s, q_start, k_start, st);
 }
@@ -467,20 +483,22 @@ extern "C" int t3d_attn_cuda_backward(int dtype, const void* dout, const void* q
   if (dtype == 0)
     return T3D_DISPATCH_EPL(head_dim, backwardT, float, dout, q, k, v, out, lse, dq, dk, dv, workspace, batch,
                             q_heads, kv_heads, seq_q, seq_k, head_dim, causal, s, q_start, k_start, st);
+  if (dtype == 2)
+    return T3D_DISPATCH_EPL(head_dim, backwardT, __half, dout, q, k, v, out, lse, dq, dk, dv, workspace, batch,
+                            q_heads, kv_heads, seq_q, seq_k, head_dim, causal, s, q_start, k_start, st);
   return T3D_DISPATCH_EPL(head_dim, backwardT, __nv_bfloat16, dout, q, k, v, out, lse, dq, dk, dv, workspace, batch,
                           q_heads, kv_heads, seq_q, seq_k, head_dim, causal, s, q_start, k_start, st);
 }
 
 extern "C" int t3d_attn_cuda_merge(int out_dtype, void* out, float* lse, int block_dtype, const void* block_out,
                                    const float* block_lse, int64_t rows, int64_t head_dim, void* stream) {
-  if ((out_dtype != 0 && out_dtype != 1) || (block_dtype != 0 && block_dtype != 1)) return -1;
+  if (out_dtype < 0 || out_dtype > 2 || block_dtype < 0 || block_dtype > 2) return -1;
   if (rows < 0 || head_dim <= 0) return -1;
   if (rows == 0) return 0;
   cudaStream_t st = static_cast<cudaStream_t>(stream);
-  if (out_dtype == 0 && block_dtype == 0) return mergeT<float, float>(out, lse, block_out, block_lse, rows, head_dim, st);
-  if (out_dtype == 0) return mergeT<float, __nv_bfloat16>(out, lse, block_out, block_lse, rows, head_dim, st);
-  if (block_dtype == 0) return mergeT<__nv_bfloat16, float>(out, lse, block_out, block_lse, rows, head_dim, st);
-  return mergeT<__nv_bfloat16, __nv_bfloat16>(out, lse, block_out, block_lse, rows, head_dim, st);
+  if (out_dtype == 0) return mergeOut<float>(block_dtype, out, lse, block_out, block_lse, rows, head_dim, st);
+  if (out_dtype == 2) return mergeOut<__half>(block_dtype, out, lse, block_out, block_lse, rows, head_dim, st);
+  return mergeOut<__nv_bfloat16>(block_dtype, out, lse, block_out, block_lse, rows, head_dim, st);
 }
 
 extern "C" const char* t3d_attn_cuda_error_string(int code) {

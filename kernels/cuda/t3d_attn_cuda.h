@@ -9,7 +9,8 @@
 extern "C" {
 #endif
 
-/* dtype: 0 = float32, 1 = bfloat16 (the values of t3d_attn_dtype_t). Layout [batch, heads, seq, head_dim],
+/* dtype: 0 = float32, 1 = bfloat16 (the values of t3d_attn_dtype_t), 2 = float16 (CUDA only: the CPU kernels take
+ * float16 through float32 copies made by the shim). Layout [batch, heads, seq, head_dim],
  * contiguous; lse float32 [batch, q_heads, seq_q]. scale NAN or <= 0 means 1/sqrt(head_dim). head_dim in [1, 256].
  * Return 0 on success, -1 on a bad argument, or a positive cudaError_t from the launch. Asynchronous on stream. */
 int t3d_attn_cuda_forward(int dtype, const void *q, const void *k, const void *v, void *out, float *lse,

@@ -74,8 +74,8 @@ def t3d_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
         # Queries are the last q_len positions of the keys (prefill: equal lengths; decode: one new token).
         q_start = k_len - q_len if causal else 0
     dtype = query.dtype
-    if dtype not in (torch.float32, torch.bfloat16):
-        # float16 / float64 models: compute in float32 and cast back.
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        # float64 models: compute in float32 and cast back.
         query, key, value = query.float(), key.float(), value.float()
     out, _ = torch.ops.t3d.attention(query, key, value, causal, scaling, q_start, 0)
     return out.to(dtype).transpose(1, 2).contiguous(), None

@@ -39,8 +39,12 @@ def make(b, hq, hk, sq, sk, d, dtype=torch.float32, device="cpu", seed=0):
     return q, k, v
 
 
-TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
-GTOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=6e-2, rtol=6e-2)}
+TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=3e-2, rtol=3e-2),
+       torch.float16: dict(atol=4e-3, rtol=4e-3)}
+GTOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=6e-2, rtol=6e-2),
+        torch.float16: dict(atol=1e-2, rtol=1e-2)}
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+DTYPE_IDS = ["f32", "bf16", "f16"]
 
 CASES = [
     # b, hq, hk, sq, sk, d, causal, q_start, k_start
@@ -83,7 +87,7 @@ def _check_case(case, dtype, device):
 
 
 @pytest.mark.parametrize("case", CASES, ids=_id)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_forward_backward_cpu(case, dtype):
     _check_case(case, dtype, "cpu")
 
@@ -138,7 +142,7 @@ def test_empty_shapes():
 
 
 @pytest.mark.parametrize("nsplit", [2, 3, 5])
-@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("out_dtype", DTYPES, ids=DTYPE_IDS)
 def test_merge_of_random_splits_equals_whole(nsplit, out_dtype):
     g = torch.Generator().manual_seed(nsplit)
     q, k, v = make(2, 4, 2, 37, 90, 32, seed=nsplit)
@@ -168,7 +172,7 @@ def test_merge_masked_blocks():
 
 
 @pytest.mark.parametrize("bad, match", [
-    (lambda q, k, v: (q.double(), k, v), "'q' must be float32 or bfloat16"),
+    (lambda q, k, v: (q.double(), k, v), "'q' must be float32, bfloat16 or float16"),
     (lambda q, k, v: (q, k.bfloat16(), v), "'k' has dtype"),
     (lambda q, k, v: (q[0], k, v), "'q' must be 4-D"),
     (lambda q, k, v: (q[:, :3], k, v), "multiple of 'k'/'v' heads"),
@@ -242,7 +246,7 @@ def test_opcheck():
 
 @pytest.mark.skipif(not CUDA, reason=NO_CUDA)
 @pytest.mark.parametrize("case", CASES, ids=_id)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_forward_backward_cuda(case, dtype):
     _check_case(case, dtype, "cuda")
 
@@ -277,12 +281,12 @@ SDPA_CASES = [
     (2, 4, 4, 1024, 64, False),
     (1, 4, 1, 513, 32, True),
 ]
-SDPA_FLOOR = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+SDPA_FLOOR = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 4e-3}
 
 
 @pytest.mark.skipif(not CUDA, reason=NO_CUDA)
 @pytest.mark.parametrize("case", SDPA_CASES, ids=lambda c: "b{}h{}kv{}s{}d{}{}".format(*c[:5], "c" if c[5] else ""))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_cuda_matches_sdpa_and_float64(case, dtype):
     b, hq, hk, s, d, causal = case
     q, k, v = make(b, hq, hk, s, s, d, dtype, "cuda", seed=7)
