@@ -1,9 +1,9 @@
 # CUDA tensors on backend t3d (NCCL underneath, or staged through host memory where ranks share a GPU): every
 # collective's values, stream order (results are ready on the caller's stream after wait(), also when the caller
-# works on a side stream), futures, coalescing, DDP, FSDP2, tensor parallelism and context parallelism (torch's
+# works on a side stream), futures, coalescing, DDP, FSDP1, FSDP2, tensor parallelism and context parallelism (torch's
 # ring and t3d's CUDA kernels) against one process, and the errors of mixed devices. The GPU tests skip without a
 # GPU; the NCCL ones with two ranks need two GPUs (NCCL refuses two ranks on one), the shared-GPU ones run 2 and 4
-# ranks on whatever GPUs there are. One check runs everywhere: what build_info says of CUDA and NCCL.
+# (and, for some cases, 8) ranks on whatever GPUs there are. One check runs everywhere: what build_info says of CUDA and NCCL.
 import pytest
 
 import _dist
@@ -224,6 +224,40 @@ def _fsdp2_and_tp(rank, ws):
     return True
 
 
+def _fsdp1(rank, ws):
+    """FSDP1 (FullyShardedDataParallel: FULL_SHARD, SHARD_GRAD_OP, each Linear its own unit), each rank a share of
+    the batch: after two SGD steps the full parameters are one process's."""
+    from torch import nn
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    dev = _dev(rank)
+
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16)).to(dev)
+
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(ws * 4, 16, generator=g).to(dev) for _ in range(2)]
+    ref = make()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for x in xs:
+        opt.zero_grad()
+        ref(x).square().mean().backward()
+        opt.step()
+    for strategy, policy in [(ShardingStrategy.FULL_SHARD, None), (ShardingStrategy.SHARD_GRAD_OP, None),
+                             (ShardingStrategy.FULL_SHARD, ModuleWrapPolicy({nn.Linear}))]:
+        model = FSDP(make(), device_id=dev, sharding_strategy=strategy, auto_wrap_policy=policy, use_orig_params=True)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for x in xs:
+            opt.zero_grad()
+            model(x[rank * 4:(rank + 1) * 4]).square().mean().backward()
+            opt.step()
+        with FSDP.summon_full_params(model):
+            for p, r in zip(model.parameters(), ref.parameters()):
+                assert torch.allclose(p, r, atol=1e-5), f"FSDP1 {strategy} {policy}: {(p - r).abs().max().item()}"
+    return True
+
+
 def _cp_t3d_against_torch(rank, ws):
     """Context parallelism on CUDA tensors: torch's own ring (its flash / efficient kernels) and t3d's (its CUDA
     attention kernels, t3d.cp.enable(cuda=True)) on the same layout, each against one process's SDPA."""
@@ -278,11 +312,21 @@ def test_two_ranks_on_gpus(fn):
     assert _dist.run_world(fn, 2, timeout=180) == [True, True]
 
 
+SHARED_CASES = GPU_CASES + [_p2p, _fsdp1, _fsdp2_and_tp, _cp_t3d_against_torch]
+
+
 @NEEDS_GPU
 @pytest.mark.parametrize("ws", [2, 4])
-@pytest.mark.parametrize("fn", GPU_CASES + [_p2p, _fsdp2_and_tp, _cp_t3d_against_torch],
-                         ids=lambda f: f.__name__.strip("_"))
+@pytest.mark.parametrize("fn", SHARED_CASES, ids=lambda f: f.__name__.strip("_"))
 def test_ranks_sharing_a_gpu(fn, ws):
     """More ranks than GPUs (rank r on GPU r % count): NCCL refuses such a group, so t3d stages its CUDA tensors
     through host memory (c_src/cudev/), in stream order."""
     assert _dist.run_world(fn, ws, timeout=300) == [True] * ws
+
+
+@NEEDS_GPU
+@pytest.mark.parametrize("fn", [_collectives, _p2p, _fsdp1, _fsdp2_and_tp, _cp_t3d_against_torch],
+                         ids=lambda f: f.__name__.strip("_"))
+def test_eight_ranks_sharing_a_gpu(fn):
+    """The 3D workflow's world size, 8 ranks on whatever GPUs there are."""
+    assert _dist.run_world(fn, 8, timeout=400) == [True] * 8
