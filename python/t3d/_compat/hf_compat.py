@@ -108,7 +108,7 @@ def apply_tp_plan(model, tp_mesh, tp_plan="auto"):
         return model
     api = tp_api()
     if api == "v5":
-        from transformers import DistributedConfig
+        from transformers.distributed import DistributedConfig
         from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
         cfg = DistributedConfig(tp_size=tp, tp_plan=tp_plan)  # tp_size given: nothing is derived from WORLD_SIZE
