@@ -27,7 +27,7 @@
 #   --deadline S         finish within S seconds of the start: a step that no longer fits is skipped, a running
 #                        one is stopped (the device tool's commands run for at most 600 s: use --deadline 570)
 #   --skip A,B           skip these steps (e.g. a second call on the still-warm machine, whose build-gpu/ is kept:
-#                        --skip nccl-1rank,pytest-cuda,pytest-attention-cuda,bench-attention,bench-collectives,train-cuda,
+#                        --skip nccl-1rank,pytest-cuda,pytest-attention-cuda,train-cuda,bench-attention,bench-collectives,
 #                        bench-collectives-shared to run the C tests)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -564,19 +564,20 @@ else
   BUILT=build
 fi
 run_step stage 180 step_stage "$BUILT"
-GPU_STEPS=(nccl-1rank pytest-cuda pytest-attention-cuda bench-attention bench-collectives train-cuda
-           bench-collectives-shared ctest)
+# The tests first (the C tests are quick), the benchmarks last: a --deadline that runs out skips benchmarks.
+GPU_STEPS=(ctest nccl-1rank pytest-cuda pytest-attention-cuda train-cuda bench-attention bench-collectives
+           bench-collectives-shared)
 if [ -n "$NO_GPU_REASON" ]; then
   for s in "${GPU_STEPS[@]}"; do skip_step "$s" "no GPU ($NO_GPU_REASON)"; done
 else
+  run_step ctest 900 step_ctest "$BUILT"
   run_step nccl-1rank 240 step_nccl stage
   run_step pytest-cuda 600 step_pytest_cuda stage
   run_step pytest-attention-cuda 300 step_pytest_attention stage
+  run_step train-cuda 420 step_train_cuda stage
   run_step bench-attention 240 step_bench stage
   run_step bench-collectives 200 step_bench_collectives stage
-  run_step train-cuda 420 step_train_cuda stage
   run_step bench-collectives-shared 240 step_bench_collectives_shared stage
-  run_step ctest 900 step_ctest "$BUILT"
 fi
 
 write_report

@@ -629,6 +629,35 @@ TEST(ShmRequests, BlockingCallsFinishOnTheCallersThread) {
   });
 }
 
+// Ranks that run one broadcast on different paths must agree on its steps: here each rank alternates between
+// T3D_FLAG_BLOCKING (the whole broadcast on its thread) and the default (for what fits the inline start: the root
+// publishes and returns, the others copy out later), and one rank comes late now and then, for sizes past a small
+// slot, up to and past a half. Every byte is checked.
+TEST(ShmRequests, BroadcastPathsAgree) {
+  const int n = 3;
+  RunRanks(n, [&](int rank, t3d_comm_t *comm) {
+    int it = 0;
+    for (size_t bytes : {size_t{16385}, size_t{20000}, size_t{49152}, size_t{65536}, size_t{200000},
+                         size_t{1} << 20, (size_t{5} << 19) + 77}) {
+      for (int root = 0; root < n; ++root, ++it) {
+        STOP_IF_FAILED();
+        const std::string what = "broadcast of " + std::to_string(bytes) + " B from " + std::to_string(root);
+        std::vector<uint8_t> buf(bytes, 0), expect(bytes);
+        for (size_t i = 0; i < bytes; ++i) expect[i] = static_cast<uint8_t>(i * 7 + root * 13 + it);
+        if (rank == root) buf = expect;
+        t3d_opts_t o{};
+        if ((rank + it) % 2 == 0) o.flags = T3D_FLAG_BLOCKING;
+        if (rank == it % n && it % 3 == 1) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+        t3d_request_t *r = nullptr;
+        T3D_ASSERT_OK(comm, t3d_broadcast(comm, buf.data(), bytes, T3D_UINT8, root, &o, &r));
+        EXPECT_EQ(t3d_wait(r, -1), T3D_OK) << Tag(rank, what + ": " + t3d_request_error(r));
+        t3d_request_free(r);
+        EXPECT_TRUE(buf == expect) << Tag(rank, what);
+      }
+    }
+  });
+}
+
 // ---------- waiting ----------
 
 // A rank that arrives late is waited for asleep (a futex on its flag), not by polling: while rank 1 sleeps 300 ms

@@ -17,8 +17,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "scripts", "gpu-check.sh")
 GTEST_SRC = os.environ.get("T3D_GTEST_SRC", "/usr/src/googletest")
-GPU_STEPS = ["nccl-1rank", "pytest-cuda", "pytest-attention-cuda", "bench-attention", "bench-collectives",
-             "train-cuda", "bench-collectives-shared", "ctest"]
+GPU_STEPS = ["ctest", "nccl-1rank", "pytest-cuda", "pytest-attention-cuda", "train-cuda", "bench-attention",
+             "bench-collectives", "bench-collectives-shared"]
 
 
 def _modules_in_source_tree():
