@@ -81,14 +81,15 @@ if [ "$MODE" = prepare ]; then
   cp -rL "$GTEST_SRC" "$KIT/googletest.tmp"
   rm -rf "$KIT/googletest"
   mv "$KIT/googletest.tmp" "$KIT/googletest"
-  # Python packages the GPU machines lack that the training demo needs (datasets, and what it needs beyond their
-  # image): wheels for their Python 3.12, installed there into $BUILD/kit-site.
+  # Python packages the GPU machines lack that the training demo needs: datasets at requirements.txt's pin, and the
+  # two of its dependencies their image lacks; wheels for their Python 3.12, installed there into $BUILD/kit-site.
+  # T3D_GPU_KIT_WHEELS replaces the list (empty: none).
+  wheels="${T3D_GPU_KIT_WHEELS-$(grep -E '^datasets==' "$ROOT/requirements.txt" || true) dill==0.4.0 multiprocess==0.70.18}"
   rm -rf "$KIT/wheels"
-  if [ -n "${T3D_GPU_KIT_WHEELS-datasets==4.4.1 dill==0.4.0 multiprocess==0.70.18}" ]; then
+  if [ -n "$wheels" ]; then
     # shellcheck disable=SC2086
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-      --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d "$KIT/wheels" \
-      ${T3D_GPU_KIT_WHEELS-datasets==4.4.1 dill==0.4.0 multiprocess==0.70.18} \
+      --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d "$KIT/wheels" $wheels \
       || echo "gpu-check.sh prepare: warning: could not download the kit's wheels (the training step will fail there)" >&2
   fi
   commit="$(git -C "$ROOT" rev-parse HEAD 2>/dev/null || echo unknown)"

@@ -436,8 +436,6 @@ float resolveScale(float scale, int64_t d) {
   return (isnan(scale) || scale <= 0.0f) ? 1.0f / sqrtf(static_cast<float>(d)) : scale;
 }
 
-}  // namespace
-
 // The block's dtype, for an out of dtype TO.
 template <typename TO>
 int mergeOut(int block_dtype, void* out, float* lse, const void* block_out, const float* block_lse, int64_t rows,
@@ -446,6 +444,8 @@ int mergeOut(int block_dtype, void* out, float* lse, const void* block_out, cons
   if (block_dtype == 2) return mergeT<TO, __half>(out, lse, block_out, block_lse, rows, head_dim, st);
   return mergeT<TO, __nv_bfloat16>(out, lse, block_out, block_lse, rows, head_dim, st);
 }
+
+}  // namespace
 
 // Dispatches on dtype and on the registers each lane needs for a head_dim row (ceil(d / 32) floats).
 #define T3D_DISPATCH_EPL(d, FN, T, ...) \
