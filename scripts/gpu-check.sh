@@ -203,6 +203,7 @@ run_step() {
       skip_step "$name" "needs step '$need', which did not pass"; return 0
     fi
   done
+  local own_limit="$limit"
   if [ "$DEADLINE" -gt 0 ]; then
     local left=$(( DEADLINE - ($(date +%s) - T0) - 20 ))
     if [ "$left" -lt 30 ]; then skip_step "$name" "out of time (--deadline $DEADLINE)"; return 0; fi
@@ -219,7 +220,12 @@ run_step() {
   rc=$?
   set -e
   echo $(( $(date +%s) - start )) >"$STATE/$name.secs"
-  if [ $rc -eq 0 ] && [ -s "$STEP_SKIP" ]; then
+  if { [ $rc -eq 124 ] || [ $rc -eq 137 ]; } && [ "$limit" -lt "$own_limit" ]; then
+    # Stopped by --deadline before its own limit: not a verdict on the step (what it finished is in its section).
+    echo skip >"$STATE/$name.status"
+    echo "cut by --deadline $DEADLINE after ${limit}s (its own limit: ${own_limit}s); partial output in its log" \
+      >"$STEP_DETAIL"
+  elif [ $rc -eq 0 ] && [ -s "$STEP_SKIP" ]; then
     echo skip >"$STATE/$name.status"; cp "$STEP_SKIP" "$STEP_DETAIL"
   elif [ $rc -eq 0 ]; then
     echo pass >"$STATE/$name.status"
@@ -477,7 +483,7 @@ pytest_step() {  # pytest args...: fails unless something passed and nothing fai
   crash_preload
   # T3D_GPU_CHECK_PYTEST_ARGS: more pytest arguments for every pytest step (e.g. -k to select tests).
   # shellcheck disable=SC2086
-  (cd "$ROOT" && "$PY" -m pytest -q -rs -p no:cacheprovider "$@" ${T3D_GPU_CHECK_PYTEST_ARGS:-}) 2>&1 | tee "$STATE/pytest.out" || rc=$?
+  (cd "$ROOT" && "$PY" -m pytest -q -rs --durations=8 -p no:cacheprovider "$@" ${T3D_GPU_CHECK_PYTEST_ARGS:-}) 2>&1 | tee "$STATE/pytest.out" || rc=$?
   grep -E '^(=+ )?[0-9]+ (passed|failed|skipped|error|deselected)' "$STATE/pytest.out" | tail -n 1 | sed 's/=//g' \
     >"$STEP_DETAIL" || echo "pytest exit status $rc" >"$STEP_DETAIL"
   grep -E '^SKIPPED' "$STATE/pytest.out" | head -n 20 | sed 's/^/    /' >"$STEP_SHOW" || true
@@ -528,10 +534,11 @@ step_bench_collectives_shared() {
     "$PY" -m t3d.bench collectives --device cuda --nproc "$n" --backends t3d \
       --ops all_reduce,broadcast,all_gather,reduce_scatter --max 16M --out "$STATE/bench-collectives-shared-$n" \
       --timeout 120 | tee -a "$STATE/bench-collectives-shared.out"
+    # The section after each rank count, so a run cut by --deadline still reports what finished.
+    { echo '```'; grep -E '^(#|\||Device)' "$STATE/bench-collectives-shared.out" | cut -c1-300 | tail -n 80
+      echo '```'; } >"$STEP_SHOW"
   done
   echo "t3d-bench collectives --device cuda --nproc 2 and 4 --backends t3d --max 16M (ranks sharing GPUs)" >"$STEP_DETAIL"
-  { echo '```'; grep -E '^(#|\||Device)' "$STATE/bench-collectives-shared.out" | cut -c1-300 | tail -n 80; echo '```'; } \
-    >"$STEP_SHOW"
 }
 step_ctest() {
   # No C test loads the real libnccl today (the fakes set T3D_NCCL_LIBRARY themselves, test_nccl_missing gets its
