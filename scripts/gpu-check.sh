@@ -526,19 +526,22 @@ step_bench_collectives() {
 }
 step_train_cuda() { pytest_step tests/python/test_train_cuda.py; }
 step_bench_collectives_shared() {
-  # Ranks that share a GPU (NCCL refuses them; t3d stages their tensors through host memory): 2 and 4 ranks on
-  # whatever GPUs there are, t3d alone.
+  # Ranks that share a GPU (NCCL refuses them): 2 and 4 ranks on whatever GPUs there are, t3d alone, on its device
+  # path (T3D_CUDA_PATH=ipc) and staged through host memory.
   py_env
-  local n
+  local n path
   for n in 2 4; do
-    "$PY" -m t3d.bench collectives --device cuda --nproc "$n" --backends t3d \
-      --ops all_reduce,broadcast,all_gather,reduce_scatter --max 16M --out "$STATE/bench-collectives-shared-$n" \
-      --timeout 120 | tee -a "$STATE/bench-collectives-shared.out"
-    # The section after each rank count, so a run cut by --deadline still reports what finished.
-    { echo '```'; grep -E '^(#|\||Device)' "$STATE/bench-collectives-shared.out" | cut -c1-300 | tail -n 80
-      echo '```'; } >"$STEP_SHOW"
+    for path in ipc staged; do
+      T3D_CUDA_PATH=$path "$PY" -m t3d.bench collectives --device cuda --nproc "$n" --backends t3d \
+        --ops all_reduce,broadcast,all_gather,reduce_scatter --max 16M \
+        --out "$STATE/bench-collectives-shared-$n-$path" --timeout 120 | tee -a "$STATE/bench-collectives-shared.out"
+      # The section after each run, so a run cut by --deadline still reports what finished.
+      { echo '```'; grep -E '^(#|\||Device)' "$STATE/bench-collectives-shared.out" | cut -c1-300 | tail -n 240
+        echo '```'; } >"$STEP_SHOW"
+    done
   done
-  echo "t3d-bench collectives --device cuda --nproc 2 and 4 --backends t3d --max 16M (ranks sharing GPUs)" >"$STEP_DETAIL"
+  echo "t3d-bench collectives --device cuda --nproc 2 and 4 --backends t3d --max 16M (ranks sharing GPUs;" \
+       "T3D_CUDA_PATH=ipc and staged)" >"$STEP_DETAIL"
 }
 step_ctest() {
   # No C test loads the real libnccl today (the fakes set T3D_NCCL_LIBRARY themselves, test_nccl_missing gets its
@@ -585,7 +588,7 @@ else
   run_step train-cuda 420 step_train_cuda stage
   run_step bench-attention 240 step_bench stage
   run_step bench-collectives 200 step_bench_collectives stage
-  run_step bench-collectives-shared 240 step_bench_collectives_shared stage
+  run_step bench-collectives-shared 300 step_bench_collectives_shared stage
 fi
 
 write_report

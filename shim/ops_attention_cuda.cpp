@@ -1,5 +1,6 @@
 // t3d._C_cuda: CUDA kernels of the torch.ops.t3d attention ops (schemas live in t3d._C), calling the plain-C
-// interface of kernels/cuda/attn_cuda.cu on the current stream. Built only when nvcc and torch's CUDA are found.
+// interface of kernels/cuda/attn_cuda.cu on the current stream, and the device reduction it registers with libt3d
+// (kernels/cuda/reduce_cuda.cu) for ranks that share a GPU. Built only when nvcc and torch's CUDA are found.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -11,6 +12,7 @@
 
 #include "ops_attention.hpp"
 #include "t3d_attn_cuda.h"
+#include "t3d_reduce_cuda.h"
 
 namespace t3d_ops {
 namespace {
@@ -103,5 +105,7 @@ static struct PyModuleDef t3dCudaModule = {PyModuleDef_HEAD_INIT, "_C_cuda",
                                            -1, nullptr, nullptr, nullptr, nullptr, nullptr};
 
 PyMODINIT_FUNC PyInit__C_cuda(void) {
+  // The device reduction of ranks that share a GPU (libt3d's T3D_CUDA_PATH=ipc) comes from here too.
+  t3d_cuda_set_kernels(t3d_cuda_reduce_kernels());
   return PyModule_Create(&t3dCudaModule);
 }

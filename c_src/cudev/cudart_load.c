@@ -32,7 +32,17 @@ static int try_one(const char *path) {
            resolve(lib, path, "cudaMemcpyAsync", &api.MemcpyAsync) &&
            resolve(lib, path, "cudaStreamQuery", &api.StreamQuery) &&
            resolve(lib, path, "cudaMallocHost", &api.MallocHost) && resolve(lib, path, "cudaFreeHost", &api.FreeHost) &&
-           resolve(lib, path, "cudaGetErrorString", &api.GetErrorString);
+           resolve(lib, path, "cudaGetErrorString", &api.GetErrorString) &&
+           resolve(lib, path, "cudaMalloc", &api.Malloc) && resolve(lib, path, "cudaFree", &api.Free) &&
+           resolve(lib, path, "cudaIpcGetMemHandle", &api.IpcGetMemHandle) &&
+           resolve(lib, path, "cudaIpcOpenMemHandle", &api.IpcOpenMemHandle) &&
+           resolve(lib, path, "cudaIpcCloseMemHandle", &api.IpcCloseMemHandle) &&
+           resolve(lib, path, "cudaEventCreateWithFlags", &api.EventCreateWithFlags) &&
+           resolve(lib, path, "cudaEventDestroy", &api.EventDestroy) &&
+           resolve(lib, path, "cudaEventRecord", &api.EventRecord) &&
+           resolve(lib, path, "cudaIpcGetEventHandle", &api.IpcGetEventHandle) &&
+           resolve(lib, path, "cudaIpcOpenEventHandle", &api.IpcOpenEventHandle) &&
+           resolve(lib, path, "cudaStreamWaitEvent", &api.StreamWaitEvent);
   if (!ok) {
     dlclose(lib);
     return -1;

@@ -16,7 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { PATH_AUTO, PATH_NCCL, PATH_STAGED };
+enum { PATH_AUTO, PATH_NCCL, PATH_STAGED, PATH_IPC };
 enum { ROUTE_UNKNOWN, ROUTE_NCCL, ROUTE_STAGED };
 
 struct t3d_cudev {
@@ -32,6 +32,7 @@ struct t3d_cudev {
   unsigned char *buf;
   size_t cap;
   int pinned;
+  t3d_cudev_ipc_t *ipc; /* the device path's buffers and events (T3D_CUDA_PATH=ipc), or NULL */
 };
 
 t3d_result_t t3d__cudev_new(t3d_comm_t *comm, t3d_cudev_t **out) {
@@ -39,10 +40,11 @@ t3d_result_t t3d__cudev_new(t3d_comm_t *comm, t3d_cudev_t **out) {
   int path = strcmp(want, "auto") == 0     ? PATH_AUTO
              : strcmp(want, "nccl") == 0   ? PATH_NCCL
              : strcmp(want, "staged") == 0 ? PATH_STAGED
+             : strcmp(want, "ipc") == 0    ? PATH_IPC
                                            : -1;
   if (path < 0) {
     return t3d__set_error(comm, T3D_ERR_INVALID_ARG,
-                          "t3d_comm_init: T3D_CUDA_PATH='%s' on rank %d: expected auto, nccl or staged", want,
+                          "t3d_comm_init: T3D_CUDA_PATH='%s' on rank %d: expected auto, ipc, nccl or staged", want,
                           comm->rank);
   }
   t3d_cudev_t *st = calloc(1, sizeof *st);
@@ -55,6 +57,7 @@ t3d_result_t t3d__cudev_new(t3d_comm_t *comm, t3d_cudev_t **out) {
 
 void t3d__cudev_free(t3d_cudev_t *st) {
   if (st == NULL) return;
+  t3d__cudev_ipc_free(st->ipc);
   if (st->buf != NULL) {
     const t3d_cudart_api_t *api = t3d__cudart_api(NULL);
     if (st->pinned && api != NULL) api->FreeHost(st->buf);
@@ -350,6 +353,12 @@ static t3d_result_t cudev_run(t3d_exec_t *ex, t3d_request_t *r, t3d_result_t (*h
     res = T3D_ERR_UNSUPPORTED;
     goto out;
   }
+  if (st->path == PATH_IPC && t3d__cudev_ipc_kind(r->kind)) {
+    int staged = 0;
+    res = t3d__cudev_ipc_run(ex, r, &st->ipc, api, host, &staged, why, sizeof why);
+    if (res != T3D_OK && why[0] == '\0') return res; /* the host provider wrote ex->error */
+    if (res != T3D_OK || !staged) goto out;
+  }
   layout_t l = layout_of(r, ex->rank, ex->size);
   size_t out_at = (l.in + 63) & ~(size_t)63; /* the host input at the buffer's start, the output after it */
   unsigned char *buf = staging(st, api, out_at + l.out + 64);
@@ -393,8 +402,9 @@ static t3d_result_t cudev_run(t3d_exec_t *ex, t3d_request_t *r, t3d_result_t (*h
   if (res == T3D_OK) res = wait_stream(comm, api, r->stream, ex->deadline_ns, why, sizeof why);
 out:
   if (res != T3D_OK) {
-    snprintf(ex->error, sizeof ex->error, "t3d: %s #%llu on group '%s' (rank %d of %d, CUDA device %d, staged): %s",
-             ex->opname, (unsigned long long)ex->seq, comm->name, ex->rank, ex->size, r->device, why);
+    snprintf(ex->error, sizeof ex->error, "t3d: %s #%llu on group '%s' (rank %d of %d, CUDA device %d, %s): %s",
+             ex->opname, (unsigned long long)ex->seq, comm->name, ex->rank, ex->size, r->device,
+             st->path == PATH_IPC ? "device path" : "staged", why);
   }
   return res;
 }

@@ -16,4 +16,16 @@ const t3d_cudart_api_t *t3d__cudart_api(const char **error);
 t3d_result_t t3d__cudev_new(t3d_comm_t *comm, t3d_cudev_t **out);
 void t3d__cudev_free(t3d_cudev_t *st);
 
+/* The device path (ipc.c, T3D_CUDA_PATH=ipc): a communicator's buffers and events, made at its first such call. */
+typedef struct t3d_cudev_ipc t3d_cudev_ipc_t;
+/* Whether the device path knows the collective kind (allreduce, reduce_scatterv, broadcast, allgatherv, alltoallv). */
+int t3d__cudev_ipc_kind(int kind);
+/* Runs r on the device through the peers' mapped buffers, in r's stream order; *staged = 1 (and T3D_OK) when the
+ * ranks agreed that this one must be staged instead (some rank lacks the kernel, the memory or equal blocks). On
+ * failure err says why, or is left empty when the host provider wrote ex->error. */
+t3d_result_t t3d__cudev_ipc_run(t3d_exec_t *ex, t3d_request_t *r, t3d_cudev_ipc_t **state,
+                                const t3d_cudart_api_t *api, t3d_result_t (*host)(t3d_exec_t *, t3d_request_t *),
+                                int *staged, char *err, size_t errlen);
+void t3d__cudev_ipc_free(t3d_cudev_ipc_t *s);
+
 #endif /* T3D_CUDEV_INTERNAL_H */

@@ -274,6 +274,22 @@ const char *t3d_build_features(void);
 const char *t3d_nccl_version_string(void);
 const char *t3d_nccl_load_error(void);
 
+/* ---------- device kernels for ranks that share a CUDA device ----------
+ * With T3D_CUDA_PATH=ipc, collectives of ranks that share a device run on the device (c_src/cudev/ipc.c): buffers
+ * exchanged through CUDA IPC, copies and reductions in stream order. libt3d holds no device code: the reductions
+ * come from whoever registers them (t3d._C_cuda does when it loads); without them reducing collectives are staged.
+ * reduce: dst[i] = srcs[0][i] op srcs[1][i] op ... for i < count, sources in order, half types accumulated in
+ * float32; PREMUL_SUM multiplies every source by scalar first, AVG divides the sum by nsrc (integers truncating).
+ * It only queues the work on stream (a cudaStream_t) and returns a cudaError_t (0: queued). reduce_supported says
+ * which (dtype, op) pairs it handles (nonzero: yes). */
+typedef struct t3d_cuda_kernels {
+  int (*reduce_supported)(t3d_dtype_t dtype, t3d_redop_t op);
+  int (*reduce)(void *dst, const void *const *srcs, int nsrc, size_t count, t3d_dtype_t dtype, t3d_redop_t op,
+                double scalar, void *stream);
+} t3d_cuda_kernels_t;
+/* Registers the kernels for every communicator of the process (the struct is copied; NULL unregisters). */
+void t3d_cuda_set_kernels(const t3d_cuda_kernels_t *kernels);
+
 /* ---------- parameters: the environment variables t3d reads ----------
  * Every T3D_* variable that any part of t3d reads (libt3d, the torch shim, the attention kernels, the Python
  * package) is declared once in libt3d's registry, with its type, default, meaning and reader; these calls list them

@@ -3,7 +3,14 @@
  * only when someone asks the stream whether it is done (cudaStreamQuery: the first query after a copy runs the
  * stream's queue and answers "not ready", the next "done"), so a caller that reads a staging buffer or completes
  * before the stream has drained sees stale bytes, as it would on a device. Devices 0-7; device d's PCI bus id is
- * 0000:(0x10 + d):00.0. fake_cudart_* hooks let the tests count and fail calls. */
+ * 0000:(0x10 + d):00.0. fake_cudart_* hooks let the tests count and fail calls.
+ *
+ * For the device path (c_src/cudev/ipc.c) it also has "device" buffers (cudaMalloc: host memory), IPC handles
+ * (the pointer itself: the tests' ranks are threads of one process), events and cudaStreamWaitEvent: an event
+ * marks a place in its stream's queue, and a wait queues a step that, when its stream runs, first runs the
+ * recorded stream up to that place. So a stream that reads a peer's buffer without waiting for the peer's event
+ * reads whatever is there when its own queue runs, as a device would. fake_cudart_enqueue queues a host function
+ * (the tests' stand-in for a kernel). */
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -11,27 +18,39 @@
 #include <string.h>
 
 enum { SUCCESS = 0, INVALID_VALUE = 1, MEMORY_ALLOCATION = 2, INVALID_DEVICE = 101, NOT_READY = 600 };
-enum { H2D = 1, D2H = 2 };
+enum { H2D = 1, D2H = 2, D2D = 3 };
 
+/* A step of a stream's queue: a copy, a host function, or a wait for another stream to reach a place. */
 typedef struct copy {
   void *dst;
   const void *src;
   size_t bytes;
+  void (*fn)(void *); /* a host function (fake_cudart_enqueue) instead of a copy */
+  void *arg;
+  void *wait_stream; /* a wait: run that stream until it has run wait_pos steps */
+  long wait_pos;
   struct copy *next;
 } copy_t;
 
 typedef struct {
   void *stream;
   long copies; /* ever queued */
+  long queued, ran; /* steps of every kind ever queued, and run */
+  int running;
   copy_t *head, *tail;
   int drained_once; /* answered "not ready" since the last copy */
 } stream_t;
+
+typedef struct {
+  void *stream; /* NULL until recorded */
+  long pos;
+} event_t;
 
 #define MAX_STREAMS 64
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static stream_t streams[MAX_STREAMS];
 static int nstreams;
-static atomic_long bytes_h2d, bytes_d2h, pinned_live, queries, set_device_calls;
+static atomic_long bytes_h2d, bytes_d2h, bytes_d2d, device_live, ipc_opened, events_live, pinned_live, queries, set_device_calls;
 static _Thread_local int current_device;
 static _Thread_local void *tls_last_stream;
 /* An injected failure: the next call of fail_fn on fail_stream returns fail_err. */
@@ -56,6 +75,8 @@ static stream_t *stream_of(void *stream) { /* under mu */
   streams[nstreams].stream = stream;
   return &streams[nstreams++];
 }
+
+static int enqueue(void *stream, copy_t *c);
 
 int cudaRuntimeGetVersion(int *v) {
   *v = 13000;
@@ -83,12 +104,59 @@ int cudaDeviceGetPCIBusId(char *bus, int len, int d) {
 int cudaMemcpyAsync(void *dst, const void *src, size_t bytes, int kind, void *stream) {
   int e = injected("cudaMemcpyAsync", stream);
   if (e != SUCCESS) return e;
-  if (kind != H2D && kind != D2H) return INVALID_VALUE;
+  if (kind != H2D && kind != D2H && kind != D2D) return INVALID_VALUE;
   tls_last_stream = stream;
-  copy_t *c = malloc(sizeof *c);
+  copy_t *c = calloc(1, sizeof *c);
   if (c == NULL) return MEMORY_ALLOCATION;
-  *c = (copy_t){dst, src, bytes, NULL};
-  atomic_fetch_add(kind == H2D ? &bytes_h2d : &bytes_d2h, (long)bytes);
+  c->dst = dst;
+  c->src = src;
+  c->bytes = bytes;
+  atomic_fetch_add(kind == H2D ? &bytes_h2d : kind == D2H ? &bytes_d2h : &bytes_d2d, (long)bytes);
+  return enqueue(stream, c);
+}
+
+static void run_stream(stream_t *s);
+
+static void run_step(copy_t *c) { /* under mu */
+  if (c->wait_stream != NULL) {
+    stream_t *w = stream_of(c->wait_stream);
+    if (w == NULL || w->ran >= c->wait_pos) return;
+    if (w->running) {
+      fprintf(stderr, "fake_cudart: streams wait for each other in a cycle\n");
+      abort();
+    }
+    while (w->ran < c->wait_pos && w->head != NULL) {
+      copy_t *first = w->head;
+      w->head = first->next;
+      if (w->head == NULL) w->tail = NULL;
+      w->running = 1;
+      run_step(first);
+      w->running = 0;
+      w->ran++;
+      free(first);
+    }
+  } else if (c->fn != NULL) {
+    c->fn(c->arg);
+  } else {
+    memcpy(c->dst, c->src, c->bytes);
+  }
+}
+
+/* Runs everything queued on s (under mu). */
+static void run_stream(stream_t *s) {
+  s->running = 1;
+  while (s->head != NULL) {
+    copy_t *c = s->head;
+    s->head = c->next;
+    if (s->head == NULL) s->tail = NULL;
+    run_step(c);
+    s->ran++;
+    free(c);
+  }
+  s->running = 0;
+}
+
+static int enqueue(void *stream, copy_t *c) {
   pthread_mutex_lock(&mu);
   stream_t *s = stream_of(stream);
   if (s == NULL) {
@@ -99,7 +167,8 @@ int cudaMemcpyAsync(void *dst, const void *src, size_t bytes, int kind, void *st
   if (s->tail != NULL) s->tail->next = c;
   else s->head = c;
   s->tail = c;
-  s->copies++;
+  s->queued++;
+  if (c->fn == NULL && c->wait_stream == NULL) s->copies++;
   s->drained_once = 0;
   pthread_mutex_unlock(&mu);
   return SUCCESS;
@@ -113,12 +182,7 @@ int cudaStreamQuery(void *stream) {
   stream_t *s = stream_of(stream);
   int res = SUCCESS;
   if (s != NULL && (s->head != NULL || !s->drained_once)) {
-    for (copy_t *c = s->head, *next; c != NULL; c = next) {
-      next = c->next;
-      memcpy(c->dst, c->src, c->bytes);
-      free(c);
-    }
-    s->head = s->tail = NULL;
+    run_stream(s);
     res = s->drained_once ? SUCCESS : NOT_READY;
     s->drained_once = 1;
   }
@@ -139,6 +203,120 @@ int cudaFreeHost(void *p) {
   return SUCCESS;
 }
 
+/* ---------- the device path: buffers, IPC handles, events ---------- */
+
+typedef struct {
+  char reserved[64];
+} handle_t;
+
+int cudaMalloc(void **p, size_t bytes) {
+  if (injected("cudaMalloc", NULL) != SUCCESS) return MEMORY_ALLOCATION;
+  *p = malloc(bytes);
+  if (*p == NULL) return MEMORY_ALLOCATION;
+  memset(*p, 0xEE, bytes);
+  atomic_fetch_add(&device_live, 1);
+  return SUCCESS;
+}
+
+int cudaFree(void *p) {
+  if (p != NULL) atomic_fetch_sub(&device_live, 1);
+  free(p);
+  return SUCCESS;
+}
+
+static const char handle_magic[8] = "fakeipc";
+
+static void to_handle(handle_t *h, void *p) {
+  memset(h, 0, sizeof *h);
+  memcpy(h->reserved, handle_magic, sizeof handle_magic);
+  memcpy(h->reserved + 8, &p, sizeof p);
+}
+
+static void *from_handle(const handle_t *h) {
+  if (memcmp(h->reserved, handle_magic, sizeof handle_magic) != 0) return NULL;
+  void *p;
+  memcpy(&p, h->reserved + 8, sizeof p);
+  return p;
+}
+
+int cudaIpcGetMemHandle(handle_t *h, void *p) {
+  if (p == NULL) return INVALID_VALUE;
+  to_handle(h, p);
+  return SUCCESS;
+}
+
+int cudaIpcOpenMemHandle(void **p, handle_t h, unsigned flags) {
+  (void)flags;
+  if (injected("cudaIpcOpenMemHandle", NULL) != SUCCESS) return INVALID_VALUE;
+  *p = from_handle(&h);
+  if (*p == NULL) return INVALID_VALUE;
+  atomic_fetch_add(&ipc_opened, 1);
+  return SUCCESS;
+}
+
+int cudaIpcCloseMemHandle(void *p) {
+  if (p == NULL) return INVALID_VALUE;
+  atomic_fetch_sub(&ipc_opened, 1);
+  return SUCCESS;
+}
+
+int cudaEventCreateWithFlags(void **ev, unsigned flags) {
+  (void)flags;
+  event_t *e = calloc(1, sizeof *e);
+  if (e == NULL) return MEMORY_ALLOCATION;
+  atomic_fetch_add(&events_live, 1);
+  *ev = e;
+  return SUCCESS;
+}
+
+/* An event opened through IPC is the same object here: each open counts as one more live event, and each destroy as
+ * one less (the real runtime destroys the importer's handle, not the exporter's event). */
+int cudaEventDestroy(void *ev) {
+  if (ev == NULL) return INVALID_VALUE;
+  atomic_fetch_sub(&events_live, 1);
+  return SUCCESS;
+}
+
+int cudaEventRecord(void *ev, void *stream) {
+  event_t *e = ev;
+  if (e == NULL) return INVALID_VALUE;
+  pthread_mutex_lock(&mu);
+  stream_t *s = stream_of(stream);
+  e->stream = stream;
+  e->pos = s != NULL ? s->queued : 0;
+  pthread_mutex_unlock(&mu);
+  return SUCCESS;
+}
+
+int cudaIpcGetEventHandle(handle_t *h, void *ev) {
+  if (ev == NULL) return INVALID_VALUE;
+  to_handle(h, ev);
+  return SUCCESS;
+}
+
+int cudaIpcOpenEventHandle(void **ev, handle_t h) {
+  *ev = from_handle(&h);
+  if (*ev == NULL) return INVALID_VALUE;
+  atomic_fetch_add(&events_live, 1);
+  return SUCCESS;
+}
+
+int cudaStreamWaitEvent(void *stream, void *ev, unsigned flags) {
+  (void)flags;
+  event_t *e = ev;
+  if (e == NULL) return INVALID_VALUE;
+  pthread_mutex_lock(&mu);
+  void *on = e->stream;
+  long pos = e->pos;
+  pthread_mutex_unlock(&mu);
+  if (on == NULL || on == stream) return SUCCESS; /* never recorded, or earlier on this stream: nothing to wait for */
+  copy_t *c = calloc(1, sizeof *c);
+  if (c == NULL) return MEMORY_ALLOCATION;
+  c->wait_stream = on;
+  c->wait_pos = pos;
+  return enqueue(stream, c);
+}
+
 const char *cudaGetErrorString(int e) {
   switch (e) {
     case SUCCESS: return "no error";
@@ -153,6 +331,28 @@ const char *cudaGetErrorString(int e) {
 /* ---------- hooks for the tests ---------- */
 
 long fake_cudart_bytes_h2d(void) { return atomic_load(&bytes_h2d); }
+long fake_cudart_bytes_d2d(void) { return atomic_load(&bytes_d2d); }
+/* Device buffers allocated and not freed, IPC mappings open, events alive (opened ones included). */
+long fake_cudart_device_live(void) { return atomic_load(&device_live); }
+long fake_cudart_ipc_open(void) { return atomic_load(&ipc_opened); }
+long fake_cudart_events_live(void) { return atomic_load(&events_live); }
+
+/* Queues fn(arg) on stream, run in its order like a kernel. 0: queued. */
+int fake_cudart_enqueue(void *stream, void (*fn)(void *), void *arg) {
+  copy_t *c = calloc(1, sizeof *c);
+  if (c == NULL) return MEMORY_ALLOCATION;
+  c->fn = fn;
+  c->arg = arg;
+  return enqueue(stream, c);
+}
+
+/* Runs everything queued on stream (and what it waits for). */
+void fake_cudart_sync(void *stream) {
+  pthread_mutex_lock(&mu);
+  stream_t *s = stream_of(stream);
+  if (s != NULL) run_stream(s);
+  pthread_mutex_unlock(&mu);
+}
 long fake_cudart_bytes_d2h(void) { return atomic_load(&bytes_d2h); }
 long fake_cudart_pinned_live(void) { return atomic_load(&pinned_live); }
 long fake_cudart_queries(void) { return atomic_load(&queries); }

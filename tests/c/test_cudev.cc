@@ -12,6 +12,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <memory>
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -30,6 +32,14 @@ struct FakeCudart {
   long (*pinned_live)() = nullptr;
   void *(*thread_last_stream)() = nullptr;
   void (*fail_next)(const char *, void *, int) = nullptr;
+  long (*bytes_h2d)() = nullptr;
+  long (*bytes_d2h)() = nullptr;
+  long (*bytes_d2d)() = nullptr;
+  long (*device_live)() = nullptr;
+  long (*ipc_open)() = nullptr;
+  long (*events_live)() = nullptr;
+  int (*enqueue)(void *, void (*)(void *), void *) = nullptr;
+  void (*sync)(void *) = nullptr;
   std::string error;
   bool Open(const char *path) {
     void *lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
@@ -52,6 +62,14 @@ struct FakeCudart {
     get("fake_cudart_pinned_live", &pinned_live);
     get("fake_cudart_thread_last_stream", &thread_last_stream);
     get("fake_cudart_fail_next", &fail_next);
+    get("fake_cudart_bytes_h2d", &bytes_h2d);
+    get("fake_cudart_bytes_d2h", &bytes_d2h);
+    get("fake_cudart_bytes_d2d", &bytes_d2d);
+    get("fake_cudart_device_live", &device_live);
+    get("fake_cudart_ipc_open", &ipc_open);
+    get("fake_cudart_events_live", &events_live);
+    get("fake_cudart_enqueue", &enqueue);
+    get("fake_cudart_sync", &sync);
     return ok;
   }
 };
@@ -388,6 +406,283 @@ TEST(Cudev, FailedCopyBreaksTheGroup) {
       EXPECT_NE(std::string::npos, err.find("staged")) << err;
     } else {
       EXPECT_NE(std::string::npos, err.find("rank 0")) << err;
+    }
+  }, ro);
+}
+
+// ---------- the device path (T3D_CUDA_PATH=ipc, c_src/cudev/ipc.c) ----------
+
+// The tests' stand-in for reduce_cuda.cu: the same contract, run on the host when the fake stream reaches it.
+struct HostReduce {
+  void *dst;
+  std::vector<const void *> srcs;
+  size_t count;
+  t3d_dtype_t dt;
+  t3d_redop_t op;
+  double scalar;
+};
+
+float Bf16ToFloat(uint16_t v) {
+  uint32_t u = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+uint16_t FloatToBf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+template <typename T, typename A, typename Get, typename Put>
+void ReduceOnHost(const HostReduce &h, Get get, Put put) {
+  const int n = static_cast<int>(h.srcs.size());
+  for (size_t i = 0; i < h.count; ++i) {
+    A acc = get(static_cast<const T *>(h.srcs[0])[i]);
+    if (h.op == T3D_PREMUL_SUM) acc = acc * static_cast<A>(h.scalar);
+    for (int k = 1; k < n; ++k) {
+      const A v = get(static_cast<const T *>(h.srcs[k])[i]);
+      switch (h.op) {
+        case T3D_PROD: acc = acc * v; break;
+        case T3D_MIN: acc = std::min(acc, v); break;
+        case T3D_MAX: acc = std::max(acc, v); break;
+        case T3D_PREMUL_SUM: acc = acc + v * static_cast<A>(h.scalar); break;
+        default: acc = acc + v; break;
+      }
+    }
+    if (h.op == T3D_AVG) acc = acc / static_cast<A>(n);
+    static_cast<T *>(h.dst)[i] = put(acc);
+  }
+}
+
+void RunHostReduce(void *arg) {
+  std::unique_ptr<HostReduce> h(static_cast<HostReduce *>(arg));
+  switch (h->dt) {
+    case T3D_FLOAT32:
+      ReduceOnHost<float, float>(*h, [](float v) { return v; }, [](float v) { return v; });
+      break;
+    case T3D_BFLOAT16:
+      ReduceOnHost<uint16_t, float>(*h, Bf16ToFloat, FloatToBf16);
+      break;
+    default:
+      ReduceOnHost<int64_t, int64_t>(*h, [](int64_t v) { return v; }, [](int64_t v) { return v; });
+      break;
+  }
+}
+
+int HostReduceSupported(t3d_dtype_t dt, t3d_redop_t op) {
+  if (dt != T3D_FLOAT32 && dt != T3D_BFLOAT16 && dt != T3D_INT64) return 0;
+  if (op == T3D_PREMUL_SUM) return dt != T3D_INT64;
+  return op == T3D_SUM || op == T3D_PROD || op == T3D_MIN || op == T3D_MAX || op == T3D_AVG;
+}
+
+int HostReduceQueue(void *dst, const void *const *srcs, int n, size_t count, t3d_dtype_t dt, t3d_redop_t op,
+                    double scalar, void *stream) {
+  auto *h = new HostReduce{dst, std::vector<const void *>(srcs, srcs + n), count, dt, op, scalar};
+  const int e = Cudart().enqueue(stream, RunHostReduce, h);
+  if (e != 0) delete h;
+  return e;
+}
+
+const t3d_cuda_kernels_t kHostKernels = {HostReduceSupported, HostReduceQueue};
+
+// Registers the stand-in kernels for one scope.
+class Kernels {
+ public:
+  explicit Kernels(bool on) { t3d_cuda_set_kernels(on ? &kHostKernels : nullptr); }
+  ~Kernels() { t3d_cuda_set_kernels(nullptr); }
+};
+
+// Check for the device path: the request completes once its work is queued, so the stream is run first (what a
+// later kernel on the stream would see), then compared with the host path.
+void CheckIpc(t3d_comm_t *comm, int rank, t3d_dtype_t dt, const std::string &what, const Buf &init,
+              const IssueInto &issue) {
+  Buf oracle = init, got = init;
+  const t3d_opts_t host = Host(dt), cuda = Cuda(dt, rank, 0);
+  if (!RunOk(comm, what + " (host)", [&](t3d_request_t **r) { return issue(&host, oracle.data(), r); })) return;
+  t3d_request_t *req = nullptr;
+  ASSERT_EQ(T3D_OK, issue(&cuda, got.data(), &req)) << Tag(rank, what) << ": " << t3d_comm_last_error(comm);
+  EXPECT_STREQ("cudev", t3d_request_provider(req)) << Tag(rank, what);
+  std::string err;
+  ASSERT_EQ(T3D_OK, Finish(req, &err)) << Tag(rank, what) << ": " << err;
+  Cudart().sync(StreamOf(rank));
+  EXPECT_EQ("", ByteDiff(got, oracle)) << Tag(rank, what);
+}
+
+struct Counters {
+  long h2d, d2h, d2d, device, ipc, events;
+  static Counters Now() {
+    return {Cudart().bytes_h2d(), Cudart().bytes_d2h(), Cudart().bytes_d2d(), Cudart().device_live(),
+            Cudart().ipc_open(), Cudart().events_live()};
+  }
+};
+
+class Ipc : public ::testing::TestWithParam<int> {};
+
+// Every collective the device path runs, at 2-4 ranks: the same bytes as the host path, nothing staged through
+// host memory, and every device buffer, mapping and event released with the communicators.
+TEST_P(Ipc, MatchesTheHostPath) {
+  if (NoRuntime()) GTEST_SKIP() << "no CUDA runtime in this run";
+  const int n = GetParam();
+  CudaPath path("ipc");
+  Kernels k(true);
+  const Counters before = Counters::Now();
+  RunRanks(n, [&](int rank, t3d_comm_t *comm) {
+    for (t3d_dtype_t dt : {T3D_FLOAT32, T3D_BFLOAT16, T3D_INT64}) {
+      for (t3d_redop_t op : {T3D_SUM, T3D_AVG, T3D_MAX, T3D_PREMUL_SUM}) {
+        if (t3d_redop_supported(op, dt) != T3D_OK || !HostReduceSupported(dt, op)) continue;
+        std::vector<size_t> counts = {0, 7};
+        if (dt == T3D_FLOAT32 && op == T3D_SUM) counts.push_back(300007); // past the first buffer: it grows
+        const size_t es = t3d_dtype_size(dt);
+        for (size_t count : counts) {
+          const std::string c = CaseName(dt, op, count);
+          const Buf in = Filled(dt, rank, count, op);
+          CheckIpc(comm, rank, dt, "allreduce " + c, Buf(in.size(), 0x5A),
+                   [&](const t3d_opts_t *o, unsigned char *out, t3d_request_t **r) {
+                     return t3d_allreduce(comm, in.data(), out, count, dt, op, o, r);
+                   });
+          CheckIpc(comm, rank, dt, "in-place allreduce " + c, in,
+                   [&](const t3d_opts_t *o, unsigned char *io, t3d_request_t **r) {
+                     return t3d_allreduce(comm, io, io, count, dt, op, o, r);
+                   });
+          const Buf big = Filled(dt, rank, count * n, op);
+          CheckIpc(comm, rank, dt, "reduce_scatter " + c, Buf(std::max<size_t>(1, count * es), 0x5A),
+                   [&](const t3d_opts_t *o, unsigned char *out, t3d_request_t **r) {
+                     return t3d_reduce_scatter(comm, big.data(), out, count, dt, op, o, r);
+                   });
+          if (::testing::Test::HasFailure()) return;
+        }
+      }
+    }
+    for (t3d_dtype_t dt : {T3D_FLOAT32, T3D_INT8}) {
+      for (size_t base : {size_t(0), size_t(5), size_t(40000)}) {
+        const std::string c = std::string(t3d_dtype_name(dt)) + " x" + std::to_string(base);
+        const size_t es = t3d_dtype_size(dt);
+        Buf mine(std::max<size_t>(1, base * es));
+        FillPattern(dt, rank, mine.data(), base);
+        CheckIpc(comm, rank, dt, "broadcast " + c, mine,
+                 [&](const t3d_opts_t *o, unsigned char *io, t3d_request_t **r) {
+                   return t3d_broadcast(comm, io, base, dt, 1 % n, o, r);
+                 });
+        Buf all(std::max<size_t>(1, base * es * n));
+        FillPattern(dt, rank, all.data(), base * n);
+        CheckIpc(comm, rank, dt, "alltoall " + c, Buf(all.size(), 0x5A),
+                 [&](const t3d_opts_t *o, unsigned char *out, t3d_request_t **r) {
+                   return t3d_alltoall(comm, all.data(), out, base, dt, o, r);
+                 });
+        std::vector<size_t> counts, displs;
+        const size_t span = AllgathervLayout(n, base, &counts, &displs);
+        Buf part(std::max<size_t>(1, counts[rank] * es));
+        FillPattern(dt, rank, part.data(), counts[rank]);
+        CheckIpc(comm, rank, dt, "allgatherv " + c, Buf(std::max<size_t>(1, span * es), 0x5A),
+                 [&](const t3d_opts_t *o, unsigned char *out, t3d_request_t **r) {
+                   return t3d_allgatherv(comm, part.data(), counts[rank], out, counts.data(), displs.data(), dt, o,
+                                         r);
+                 });
+        if (::testing::Test::HasFailure()) return;
+      }
+    }
+  });
+  const Counters after = Counters::Now();
+  EXPECT_EQ(before.h2d, after.h2d) << "the device path must not stage through host memory";
+  EXPECT_EQ(before.d2h, after.d2h) << "the device path must not stage through host memory";
+  EXPECT_GT(after.d2d, before.d2d) << "no device-to-device copy: the device path did not run";
+  EXPECT_EQ(before.device, after.device) << "device buffers must be freed with their communicator";
+  EXPECT_EQ(before.ipc, after.ipc) << "IPC mappings must be closed with their communicator";
+  EXPECT_EQ(before.events, after.events) << "events must be destroyed with their communicator";
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, Ipc, ::testing::Values(2, 3, 4),
+                         [](const ::testing::TestParamInfo<int> &i) { return "n" + std::to_string(i.param); });
+
+// Many collectives queued back to back before any stream runs: each rank's buffer is rewritten by the next one
+// only after every peer has read it (the `done` events), and read only after its owner filled it (`copied`).
+// Sizes change on the way, so buffers grow while older work still reads the old ones.
+TEST(CudevIpc, BackToBackInStreamOrder) {
+  if (NoRuntime()) GTEST_SKIP() << "no CUDA runtime in this run";
+  const int n = 3;
+  CudaPath path("ipc");
+  Kernels k(true);
+  RunRanks(n, [&](int rank, t3d_comm_t *comm) {
+    const std::vector<size_t> counts = {10, 400000, 3, 700000, 10, 1};
+    std::vector<std::vector<float>> in(counts.size()), out(counts.size());
+    std::vector<t3d_request_t *> reqs(counts.size(), nullptr);
+    const t3d_opts_t cuda = Cuda(T3D_FLOAT32, rank, 0);
+    for (size_t j = 0; j < counts.size(); ++j) {
+      in[j].resize(counts[j]);
+      out[j].assign(counts[j], -1.0f);
+      for (size_t i = 0; i < counts[j]; ++i) in[j][i] = static_cast<float>((rank + 1) * (j + 1) + i % 97);
+      ASSERT_EQ(T3D_OK, t3d_allreduce(comm, in[j].data(), out[j].data(), counts[j], T3D_FLOAT32, T3D_SUM, &cuda,
+                                      &reqs[j]));
+    }
+    for (t3d_request_t *r : reqs) ASSERT_EQ(T3D_OK, Finish(r)) << Tag(rank, "back-to-back allreduce");
+    // Every rank has queued everything before any stream runs.
+    if (!HostBarrier()) return;
+    Cudart().sync(StreamOf(rank));
+    for (size_t j = 0; j < counts.size(); ++j) {
+      for (size_t i = 0; i < counts[j]; ++i) {
+        float want = 0.0f;
+        for (int p = 0; p < n; ++p) want += static_cast<float>((p + 1) * (j + 1) + i % 97);
+        ASSERT_EQ(want, out[j][i]) << Tag(rank, "allreduce #" + std::to_string(j) + " at " + std::to_string(i));
+      }
+    }
+  });
+}
+
+// What the device path cannot run is staged, the same on every rank: reductions without a registered kernel or
+// with a (dtype, op) it lacks, and alltoallv with uneven blocks.
+TEST(CudevIpc, StagesWhatTheDeviceCannot) {
+  if (NoRuntime()) GTEST_SKIP() << "no CUDA runtime in this run";
+  CudaPath path("ipc");
+  for (bool registered : {false, true}) {
+    Kernels k(registered);
+    const long h2d = Cudart().bytes_h2d();
+    RunRanks(3, [&](int rank, t3d_comm_t *comm) {
+      const t3d_dtype_t dt = registered ? T3D_INT64 : T3D_FLOAT32;
+      const t3d_redop_t op = registered ? T3D_BXOR : T3D_SUM;
+      const Buf in = Filled(dt, rank, 50, op);
+      Check(comm, rank, 0, dt, std::string(registered ? "BXOR" : "no kernel") + " allreduce", Buf(in.size(), 0),
+            [&](const t3d_opts_t *o, unsigned char *out, t3d_request_t **r) {
+              return t3d_allreduce(comm, in.data(), out, 50, dt, op, o, r);
+            });
+      const A2aLayout a = AlltoallvLayout(3, rank, 1000);
+      Buf send(a.s_total * 4);
+      FillPattern(T3D_FLOAT32, rank, send.data(), a.s_total);
+      Check(comm, rank, 0, T3D_FLOAT32, "uneven alltoallv", Buf(std::max<size_t>(1, a.r_total * 4), 0x5A),
+            [&](const t3d_opts_t *o, unsigned char *out, t3d_request_t **r) {
+              return t3d_alltoallv(comm, send.data(), a.sc.data(), a.sd.data(), out, a.rc.data(), a.rd.data(),
+                                   T3D_FLOAT32, o, r);
+            });
+    });
+    EXPECT_GT(Cudart().bytes_h2d(), h2d) << "staged collectives copy through host memory";
+  }
+}
+
+// A peer's buffer that cannot be mapped fails the collective with the runtime's words and the way out.
+TEST(CudevIpc, FailedMappingSaysWhy) {
+  if (NoRuntime()) GTEST_SKIP() << "no CUDA runtime in this run";
+  CudaPath path("ipc");
+  Kernels k(true);
+  RunOptions ro;
+  ro.comm_timeout_ms = 60000;
+  ro.abort_on_failure = false;
+  RunRanks(2, [&](int rank, t3d_comm_t *comm) {
+    std::vector<float> in(100, 1.0f), out(100, 0.0f);
+    const t3d_opts_t cuda = Cuda(T3D_FLOAT32, rank, 0);
+    if (rank == 0) Cudart().fail_next("cudaIpcOpenMemHandle", nullptr, 1);
+    if (!HostBarrier()) return;
+    std::string err;
+    const t3d_result_t res = RunResult(
+        [&](t3d_request_t **r) {
+          return t3d_allreduce(comm, in.data(), out.data(), in.size(), T3D_FLOAT32, T3D_SUM, &cuda, r);
+        },
+        &err);
+    EXPECT_NE(T3D_OK, res) << Tag(rank, "allreduce after a failed mapping");
+    if (rank == 0) {
+      EXPECT_NE(std::string::npos, err.find("cudaIpcOpenMemHandle")) << err;
+      EXPECT_NE(std::string::npos, err.find("T3D_CUDA_PATH=staged")) << err;
+      EXPECT_NE(std::string::npos, err.find("device path")) << err;
     }
   }, ro);
 }

@@ -146,6 +146,34 @@ static_assert(std::is_same<decltype(static_cast<cudaError_t (*)(void **, size_t)
                            cudaError_t (*)(void **, size_t)>::value, "");
 static_assert(std::is_same<decltype(&cudaMemcpyAsync),
                            cudaError_t (*)(void *, const void *, size_t, cudaMemcpyKind, cudaStream_t)>::value, "");
+// The device path (c_src/cudev/ipc.c).
+SAME_VALUE(T3D_CUDA_MEMCPY_DEVICE_TO_DEVICE, cudaMemcpyDeviceToDevice);
+SAME_VALUE(T3D_CUDA_EVENT_DISABLE_TIMING, cudaEventDisableTiming);
+SAME_VALUE(T3D_CUDA_EVENT_INTERPROCESS, cudaEventInterprocess);
+SAME_VALUE(T3D_CUDA_IPC_LAZY_PEER_ACCESS, cudaIpcMemLazyEnablePeerAccess);
+static_assert(sizeof(t3d_cuda_ipc_handle_t) == sizeof(cudaIpcMemHandle_t), "cudaIpcMemHandle_t is passed by value");
+static_assert(sizeof(t3d_cuda_ipc_handle_t) == sizeof(cudaIpcEventHandle_t), "so is cudaIpcEventHandle_t");
+static_assert(alignof(t3d_cuda_ipc_handle_t) == alignof(cudaIpcMemHandle_t), "");
+static_assert(sizeof(void *) == sizeof(cudaEvent_t), "an event travels as void *");
+static_assert(std::is_same<decltype(static_cast<cudaError_t (*)(void **, size_t)>(&cudaMalloc)),
+                           cudaError_t (*)(void **, size_t)>::value, "");
+static_assert(std::is_same<decltype(&cudaFree), cudaError_t (*)(void *)>::value, "");
+static_assert(std::is_same<decltype(&cudaIpcGetMemHandle), cudaError_t (*)(cudaIpcMemHandle_t *, void *)>::value, "");
+static_assert(std::is_same<decltype(&cudaIpcOpenMemHandle),
+                           cudaError_t (*)(void **, cudaIpcMemHandle_t, unsigned int)>::value, "");
+static_assert(std::is_same<decltype(&cudaIpcCloseMemHandle), cudaError_t (*)(void *)>::value, "");
+static_assert(std::is_same<decltype(&cudaEventCreateWithFlags), cudaError_t (*)(cudaEvent_t *, unsigned int)>::value,
+              "");
+static_assert(std::is_same<decltype(&cudaEventDestroy), cudaError_t (*)(cudaEvent_t)>::value, "");
+static_assert(std::is_same<decltype(static_cast<cudaError_t (*)(cudaEvent_t, cudaStream_t)>(&cudaEventRecord)),
+                           cudaError_t (*)(cudaEvent_t, cudaStream_t)>::value, "");
+static_assert(std::is_same<decltype(&cudaIpcGetEventHandle), cudaError_t (*)(cudaIpcEventHandle_t *, cudaEvent_t)>::value,
+              "");
+static_assert(std::is_same<decltype(&cudaIpcOpenEventHandle), cudaError_t (*)(cudaEvent_t *, cudaIpcEventHandle_t)>::value,
+              "");
+static_assert(std::is_same<decltype(static_cast<cudaError_t (*)(cudaStream_t, cudaEvent_t, unsigned int)>(
+                               &cudaStreamWaitEvent)),
+                           cudaError_t (*)(cudaStream_t, cudaEvent_t, unsigned int)>::value, "");
 
 TEST(NcclAbi, CheckedAtCompileTime) {
   // The static_asserts above are the test; this records the header the build compared against.

@@ -324,6 +324,19 @@ def test_ranks_sharing_a_gpu(fn, ws):
     assert _dist.run_world(fn, ws, timeout=300) == [True] * ws
 
 
+IPC_CASES = [_collectives, _stream_order, _coalesced_and_objects, _ddp_matches_one_process, _fsdp2_and_tp]
+
+
+@NEEDS_GPU
+@pytest.mark.parametrize("ws", [2, 4, 8])
+@pytest.mark.parametrize("fn", IPC_CASES, ids=lambda f: f.__name__.strip("_"))
+def test_ranks_sharing_a_gpu_device_path(fn, ws, monkeypatch):
+    """T3D_CUDA_PATH=ipc: the same cases with the collectives run by the device (c_src/cudev/ipc.c: buffers mapped
+    through CUDA IPC, copies and t3d._C_cuda's reduction in stream order) instead of staged through host memory."""
+    monkeypatch.setenv("T3D_CUDA_PATH", "ipc")
+    assert _dist.run_world(fn, ws, timeout=300) == [True] * ws
+
+
 @NEEDS_GPU
 @pytest.mark.parametrize("fn", [_collectives, _p2p, _fsdp1, _fsdp2_and_tp, _cp_t3d_against_torch],
                          ids=lambda f: f.__name__.strip("_"))

@@ -648,7 +648,9 @@ def run(args) -> int:
         gpus = min(n, torch.cuda.device_count())
         results["_device"] = f"{gpus} x {torch.cuda.get_device_name()}"
         if gpus < n:  # t3d only (cuda_refusal): its staged path
-            results["_gpu_layout"] = f"{n} ranks on {gpus} GPU(s), staged through host memory"
+            how = ("on the device through CUDA IPC (T3D_CUDA_PATH=ipc)" if os.environ.get("T3D_CUDA_PATH") == "ipc"
+                   else "staged through host memory")
+            results["_gpu_layout"] = f"{n} ranks on {gpus} GPU(s), {how}"
     known = ("t3d", "t3d-mem", "gloo", "mpi") if device == "cpu" else ("t3d", "nccl", "gloo")
     backends = []
     for b in [x for x in args.backends.split(",") if x]:
