@@ -481,9 +481,12 @@ pytest_step() {  # pytest args...: fails unless something passed and nothing fai
   py_env
   local rc=0
   crash_preload
-  # T3D_GPU_CHECK_PYTEST_ARGS: more pytest arguments for every pytest step (e.g. -k to select tests).
+  # T3D_GPU_CHECK_PYTEST_ARGS: more pytest arguments for every pytest step (split at spaces);
+  # T3D_GPU_CHECK_PYTEST_K: a -k expression (one argument, spaces allowed) for every pytest step.
+  local k=()
+  [ -n "${T3D_GPU_CHECK_PYTEST_K:-}" ] && k=(-k "$T3D_GPU_CHECK_PYTEST_K")
   # shellcheck disable=SC2086
-  (cd "$ROOT" && "$PY" -m pytest -q -rs --durations=8 -p no:cacheprovider "$@" ${T3D_GPU_CHECK_PYTEST_ARGS:-}) 2>&1 | tee "$STATE/pytest.out" || rc=$?
+  (cd "$ROOT" && "$PY" -m pytest -q -rs --durations=8 -p no:cacheprovider "$@" "${k[@]}" ${T3D_GPU_CHECK_PYTEST_ARGS:-}) 2>&1 | tee "$STATE/pytest.out" || rc=$?
   grep -E '^(=+ )?[0-9]+ (passed|failed|skipped|error|deselected)' "$STATE/pytest.out" | tail -n 1 | sed 's/=//g' \
     >"$STEP_DETAIL" || echo "pytest exit status $rc" >"$STEP_DETAIL"
   grep -E '^SKIPPED' "$STATE/pytest.out" | head -n 20 | sed 's/^/    /' >"$STEP_SHOW" || true
