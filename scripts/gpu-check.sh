@@ -294,6 +294,11 @@ step_env() {
     if commit="$(git -C "$ROOT" rev-parse HEAD 2>/dev/null)"; then
       dirty="$(git -C "$ROOT" status --porcelain --untracked-files=no | wc -l)"
       echo "- commit: \`$commit\` ($dirty modified tracked files)"
+      # The device tool's copy of the tree can carry an older .git than the files: the kit says what was prepared.
+      if [ -f "$KIT/kit.env" ] && ! grep -q "^COMMIT=$commit\$" "$KIT/kit.env"; then
+        echo "- kit prepared at commit \`$(sed -n 's/^COMMIT=//p' "$KIT/kit.env")\`" \
+             "($(sed -n 's/^DIRTY_FILES=//p' "$KIT/kit.env") modified tracked files then)"
+      fi
     elif [ -f "$KIT/kit.env" ]; then
       echo "- commit: \`$(sed -n 's/^COMMIT=//p' "$KIT/kit.env")\` (no git here: the commit \`prepare\` recorded," \
            "$(sed -n 's/^DIRTY_FILES=//p' "$KIT/kit.env") modified tracked files then)"
@@ -535,7 +540,8 @@ step_bench_collectives_shared() {
   local n path
   for n in 2 4; do
     for path in ipc staged; do
-      T3D_CUDA_PATH=$path "$PY" -m t3d.bench collectives --device cuda --nproc "$n" --backends t3d \
+      # The device path at every size (T3D_CUDA_IPC_MIN_BYTES=0), to see where it beats staging.
+      T3D_CUDA_PATH=$path T3D_CUDA_IPC_MIN_BYTES=0 "$PY" -m t3d.bench collectives --device cuda --nproc "$n" --backends t3d \
         --ops all_reduce,broadcast,all_gather,reduce_scatter --max 16M \
         --out "$STATE/bench-collectives-shared-$n-$path" --timeout 120 | tee -a "$STATE/bench-collectives-shared.out"
       # The section after each run, so a run cut by --deadline still reports what finished.

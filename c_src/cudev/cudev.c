@@ -353,7 +353,7 @@ static t3d_result_t cudev_run(t3d_exec_t *ex, t3d_request_t *r, t3d_result_t (*h
     res = T3D_ERR_UNSUPPORTED;
     goto out;
   }
-  if (st->path == PATH_IPC && t3d__cudev_ipc_kind(r->kind)) {
+  if (st->path == PATH_IPC && t3d__cudev_ipc_takes(r, ex->size)) {
     int staged = 0;
     res = t3d__cudev_ipc_run(ex, r, &st->ipc, api, host, &staged, why, sizeof why);
     if (res != T3D_OK && why[0] == '\0') return res; /* the host provider wrote ex->error */

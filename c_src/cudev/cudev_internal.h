@@ -18,8 +18,10 @@ void t3d__cudev_free(t3d_cudev_t *st);
 
 /* The device path (ipc.c, T3D_CUDA_PATH=ipc): a communicator's buffers and events, made at its first such call. */
 typedef struct t3d_cudev_ipc t3d_cudev_ipc_t;
-/* Whether the device path knows the collective kind (allreduce, reduce_scatterv, broadcast, allgatherv, alltoallv). */
-int t3d__cudev_ipc_kind(int kind);
+/* Whether r goes to the device path (t3d__cudev_ipc_run), the same answer on every rank: allreduce,
+ * reduce_scatterv, broadcast and allgatherv of at least T3D_CUDA_IPC_MIN_BYTES, and every alltoallv (its ranks
+ * agree at the run's first step). */
+int t3d__cudev_ipc_takes(const t3d_request_t *r, int n);
 /* Runs r on the device through the peers' mapped buffers, in r's stream order; *staged = 1 (and T3D_OK) when the
  * ranks agreed that this one must be staged instead (some rank lacks the kernel, the memory or equal blocks). On
  * failure err says why, or is left empty when the host provider wrote ex->error. */

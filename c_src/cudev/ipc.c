@@ -220,9 +220,31 @@ static t3d_result_t open_peers(t3d_cudev_ipc_t *s, const t3d_cudart_api_t *api, 
   return T3D_OK;
 }
 
-int t3d__cudev_ipc_kind(int kind) {
-  return kind == T3D_OP_ALLREDUCE || kind == T3D_OP_REDUCE_SCATTERV || kind == T3D_OP_BROADCAST ||
-         kind == T3D_OP_ALLGATHERV || kind == T3D_OP_ALLTOALLV;
+/* The bytes a collective moves as every rank counts them alike (alltoallv: from its receive counts, equal on every
+ * rank only with equal blocks, which A checks). */
+static size_t moved_bytes(const t3d_request_t *r, int n) {
+  size_t es = t3d_dtype_size(r->dtype), total = 0;
+  if (r->kind == T3D_OP_ALLGATHERV || r->kind == T3D_OP_ALLTOALLV) {
+    for (int p = 0; p < n; p++) total += r->rcounts[p];
+    return total * es;
+  }
+  return r->count * es;
+}
+
+static size_t min_bytes(void) {
+  int64_t v = t3d__param_int(T3D_PARAM_CUDA_IPC_MIN_BYTES);
+  return v < 0 ? 0 : (size_t)v;
+}
+
+int t3d__cudev_ipc_takes(const t3d_request_t *r, int n) {
+  switch (r->kind) {
+    case T3D_OP_ALLREDUCE:
+    case T3D_OP_REDUCE_SCATTERV:
+    case T3D_OP_BROADCAST:
+    case T3D_OP_ALLGATHERV: return moved_bytes(r, n) >= min_bytes(); /* the same on every rank */
+    case T3D_OP_ALLTOALLV: return 1; /* decided at A, where the ranks agree on equal blocks first */
+    default: return 0;
+  }
 }
 
 /* Bytes this rank copies into its buffer, and from where. */
@@ -340,7 +362,7 @@ t3d_result_t t3d__cudev_ipc_run(t3d_exec_t *ex, t3d_request_t *r, t3d_cudev_ipc_
              "so reducing collectives of ranks that share a GPU are staged through host memory");
   }
   int ok = !reduces || (have && k.reduce_supported(r->dtype, r->op));
-  if (r->kind == T3D_OP_ALLTOALLV) ok = ok && r->equal_blocks;
+  if (r->kind == T3D_OP_ALLTOALLV) ok = ok && r->equal_blocks && moved_bytes(r, n) >= min_bytes();
   const void *src = NULL;
   size_t need = input_of(r, me, n, &src);
   if (ok && need > 0) ok = grow(s, api, need);

@@ -487,6 +487,16 @@ int HostReduceQueue(void *dst, const void *const *srcs, int n, size_t count, t3d
 
 const t3d_cuda_kernels_t kHostKernels = {HostReduceSupported, HostReduceQueue};
 
+// Sets an environment variable for one scope.
+class EnvScope {
+ public:
+  EnvScope(const char *name, const char *v) : name_(name) { SetEnv(name, v); }
+  ~EnvScope() { UnsetEnv(name_); }
+
+ private:
+  const char *name_;
+};
+
 // Registers the stand-in kernels for one scope.
 class Kernels {
  public:
@@ -526,6 +536,7 @@ TEST_P(Ipc, MatchesTheHostPath) {
   if (NoRuntime()) GTEST_SKIP() << "no CUDA runtime in this run";
   const int n = GetParam();
   CudaPath path("ipc");
+  EnvScope every_size("T3D_CUDA_IPC_MIN_BYTES", "0");
   Kernels k(true);
   const Counters before = Counters::Now();
   RunRanks(n, [&](int rank, t3d_comm_t *comm) {
@@ -603,6 +614,7 @@ TEST(CudevIpc, BackToBackInStreamOrder) {
   if (NoRuntime()) GTEST_SKIP() << "no CUDA runtime in this run";
   const int n = 3;
   CudaPath path("ipc");
+  EnvScope every_size("T3D_CUDA_IPC_MIN_BYTES", "0");
   Kernels k(true);
   RunRanks(n, [&](int rank, t3d_comm_t *comm) {
     const std::vector<size_t> counts = {10, 400000, 3, 700000, 10, 1};
@@ -635,6 +647,7 @@ TEST(CudevIpc, BackToBackInStreamOrder) {
 TEST(CudevIpc, StagesWhatTheDeviceCannot) {
   if (NoRuntime()) GTEST_SKIP() << "no CUDA runtime in this run";
   CudaPath path("ipc");
+  EnvScope every_size("T3D_CUDA_IPC_MIN_BYTES", "0");
   for (bool registered : {false, true}) {
     Kernels k(registered);
     const long h2d = Cudart().bytes_h2d();
@@ -659,10 +672,35 @@ TEST(CudevIpc, StagesWhatTheDeviceCannot) {
   }
 }
 
+// Below T3D_CUDA_IPC_MIN_BYTES (1 MiB by default) collectives stay staged, where one call of the device path costs
+// more; from there on they run on the device.
+TEST(CudevIpc, SmallCollectivesStayStaged) {
+  if (NoRuntime()) GTEST_SKIP() << "no CUDA runtime in this run";
+  CudaPath path("ipc");
+  Kernels k(true);
+  for (size_t count : {size_t(1000), size_t(300000)}) {
+    const bool device = count * 4 >= (1u << 20);
+    const Counters before = Counters::Now();
+    RunRanks(2, [&](int rank, t3d_comm_t *comm) {
+      const Buf in = Filled(T3D_FLOAT32, rank, count);
+      const std::string what = "allreduce of " + std::to_string(count * 4) + " bytes";
+      const IssueInto issue = [&](const t3d_opts_t *o, unsigned char *out, t3d_request_t **r) {
+        return t3d_allreduce(comm, in.data(), out, count, T3D_FLOAT32, T3D_SUM, o, r);
+      };
+      if (device) CheckIpc(comm, rank, T3D_FLOAT32, what, Buf(in.size(), 0), issue);
+      else Check(comm, rank, 0, T3D_FLOAT32, what, Buf(in.size(), 0), issue);
+    });
+    const Counters after = Counters::Now();
+    EXPECT_EQ(device, after.d2d > before.d2d) << count * 4 << " bytes";
+    EXPECT_EQ(!device, after.h2d > before.h2d) << count * 4 << " bytes";
+  }
+}
+
 // A peer's buffer that cannot be mapped fails the collective with the runtime's words and the way out.
 TEST(CudevIpc, FailedMappingSaysWhy) {
   if (NoRuntime()) GTEST_SKIP() << "no CUDA runtime in this run";
   CudaPath path("ipc");
+  EnvScope every_size("T3D_CUDA_IPC_MIN_BYTES", "0");
   Kernels k(true);
   RunOptions ro;
   ro.comm_timeout_ms = 60000;

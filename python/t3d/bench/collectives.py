@@ -648,8 +648,11 @@ def run(args) -> int:
         gpus = min(n, torch.cuda.device_count())
         results["_device"] = f"{gpus} x {torch.cuda.get_device_name()}"
         if gpus < n:  # t3d only (cuda_refusal): its staged path
-            how = ("on the device through CUDA IPC (T3D_CUDA_PATH=ipc)" if os.environ.get("T3D_CUDA_PATH") == "ipc"
-                   else "staged through host memory")
+            how = "staged through host memory"
+            if os.environ.get("T3D_CUDA_PATH") == "ipc":
+                floor = os.environ.get("T3D_CUDA_IPC_MIN_BYTES") or "1048576"
+                how = (f"on the device through CUDA IPC (T3D_CUDA_PATH=ipc) from {floor} bytes, staged below"
+                       if floor != "0" else "on the device through CUDA IPC (T3D_CUDA_PATH=ipc) at every size")
             results["_gpu_layout"] = f"{n} ranks on {gpus} GPU(s), {how}"
     known = ("t3d", "t3d-mem", "gloo", "mpi") if device == "cpu" else ("t3d", "nccl", "gloo")
     backends = []
