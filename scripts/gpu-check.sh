@@ -81,10 +81,11 @@ if [ "$MODE" = prepare ]; then
   cp -rL "$GTEST_SRC" "$KIT/googletest.tmp"
   rm -rf "$KIT/googletest"
   mv "$KIT/googletest.tmp" "$KIT/googletest"
-  # Python packages the GPU machines lack that the training demo needs: datasets at requirements.txt's pin, and the
-  # two of its dependencies their image lacks; wheels for their Python 3.12, installed there into $BUILD/kit-site.
-  # T3D_GPU_KIT_WHEELS replaces the list (empty: none).
-  wheels="${T3D_GPU_KIT_WHEELS-$(grep -E '^datasets==' "$ROOT/requirements.txt" || true) dill==0.4.0 multiprocess==0.70.18}"
+  # Python packages the GPU machines lack: datasets at requirements.txt's pin and the two of its dependencies their
+  # image lacks (the training demo), pytest-xdist and execnet (the pytest steps run their tests on several workers);
+  # wheels for their Python 3.12, installed there into $BUILD/kit-site. T3D_GPU_KIT_WHEELS replaces the list (empty:
+  # none).
+  wheels="${T3D_GPU_KIT_WHEELS-$(grep -E '^datasets==' "$ROOT/requirements.txt" || true) dill==0.4.0 multiprocess==0.70.18 pytest-xdist==3.8.0 execnet==2.1.1}"
   rm -rf "$KIT/wheels"
   if [ -n "$wheels" ]; then
     # shellcheck disable=SC2086
@@ -490,6 +491,10 @@ pytest_step() {  # pytest args...: fails unless something passed and nothing fai
   # T3D_GPU_CHECK_PYTEST_K: a -k expression (one argument, spaces allowed) for every pytest step.
   local k=()
   [ -n "${T3D_GPU_CHECK_PYTEST_K:-}" ] && k=(-k "$T3D_GPU_CHECK_PYTEST_K")
+  # T3D_GPU_CHECK_PYTEST_WORKERS (3): pytest-xdist workers when the kit brought it (each test's ranks are processes
+  # of their own, with their own segments and file stores, so tests can run side by side); 1: one after another.
+  local workers="${T3D_GPU_CHECK_PYTEST_WORKERS:-3}"
+  if [ "$workers" -gt 1 ] && "$PY" -c 'import xdist' >/dev/null 2>&1; then k+=(-n "$workers"); fi
   # shellcheck disable=SC2086
   (cd "$ROOT" && "$PY" -m pytest -q -rs --durations=8 -p no:cacheprovider "$@" "${k[@]}" ${T3D_GPU_CHECK_PYTEST_ARGS:-}) 2>&1 | tee "$STATE/pytest.out" || rc=$?
   grep -E '^(=+ )?[0-9]+ (passed|failed|skipped|error|deselected)' "$STATE/pytest.out" | tail -n 1 | sed 's/=//g' \
