@@ -156,6 +156,65 @@ Buf Filled(t3d_dtype_t dt, int rank, size_t n, t3d_redop_t op = T3D_SUM) {
   return b;
 }
 
+// How a case is checked: Check (staged: the request completes after its copies) or CheckIpc (the device path).
+using CheckFn = std::function<void(t3d_dtype_t, const std::string &, const Buf &, const IssueInto &)>;
+
+// The reductions both paths run: allreduce out of place and in place, reduce (staged only: the device path has
+// none), reduce_scatter.
+void ReductionCases(t3d_comm_t *comm, int rank, int n, t3d_dtype_t dt, t3d_redop_t op, size_t count, bool reduce,
+                    const CheckFn &check) {
+  const std::string c = CaseName(dt, op, count);
+  const size_t es = t3d_dtype_size(dt);
+  const Buf in = Filled(dt, rank, count, op);
+  check(dt, "allreduce " + c, Buf(in.size(), 0x5A), [&](const t3d_opts_t *o, unsigned char *out, t3d_request_t **r) {
+    return t3d_allreduce(comm, in.data(), out, count, dt, op, o, r);
+  });
+  check(dt, "in-place allreduce " + c, in, [&](const t3d_opts_t *o, unsigned char *io, t3d_request_t **r) {
+    return t3d_allreduce(comm, io, io, count, dt, op, o, r);
+  });
+  if (reduce) {
+    check(dt, "reduce " + c, Buf(in.size(), 0x5A), [&](const t3d_opts_t *o, unsigned char *out, t3d_request_t **r) {
+      return t3d_reduce(comm, in.data(), out, count, dt, op, n - 1, o, r);
+    });
+  }
+  const Buf big = Filled(dt, rank, count * n, op);
+  check(dt, "reduce_scatter " + c, Buf(std::max<size_t>(1, count * es), 0x5A),
+        [&](const t3d_opts_t *o, unsigned char *out, t3d_request_t **r) {
+          return t3d_reduce_scatter(comm, big.data(), out, count, dt, op, o, r);
+        });
+}
+
+// The moves both paths run: broadcast, alltoall, and allgatherv with uneven blocks and a gap after each (the gaps
+// must keep their bytes).
+void MoveCases(t3d_comm_t *comm, int rank, int n, t3d_dtype_t dt, size_t base, const CheckFn &check) {
+  const std::string c = std::string(t3d_dtype_name(dt)) + " x" + std::to_string(base);
+  const size_t es = t3d_dtype_size(dt);
+  Buf mine(std::max<size_t>(1, base * es));
+  FillPattern(dt, rank, mine.data(), base);
+  check(dt, "broadcast " + c, mine, [&](const t3d_opts_t *o, unsigned char *io, t3d_request_t **r) {
+    return t3d_broadcast(comm, io, base, dt, 1 % n, o, r);
+  });
+  Buf all(std::max<size_t>(1, base * es * n));
+  FillPattern(dt, rank, all.data(), base * n);
+  check(dt, "alltoall " + c, Buf(all.size(), 0x5A), [&](const t3d_opts_t *o, unsigned char *out, t3d_request_t **r) {
+    return t3d_alltoall(comm, all.data(), out, base, dt, o, r);
+  });
+  std::vector<size_t> counts, displs;
+  const size_t span = AllgathervLayout(n, base, &counts, &displs);
+  Buf part(std::max<size_t>(1, counts[rank] * es));
+  FillPattern(dt, rank, part.data(), counts[rank]);
+  check(dt, "allgatherv " + c, Buf(std::max<size_t>(1, span * es), 0x5A),
+        [&](const t3d_opts_t *o, unsigned char *out, t3d_request_t **r) {
+          return t3d_allgatherv(comm, part.data(), counts[rank], out, counts.data(), displs.data(), dt, o, r);
+        });
+}
+
+CheckFn Staged(t3d_comm_t *comm, int rank) {
+  return [=](t3d_dtype_t dt, const std::string &what, const Buf &init, const IssueInto &issue) {
+    Check(comm, rank, 0, dt, what, init, issue);
+  };
+}
+
 class Shared : public ::testing::TestWithParam<int> {};
 
 TEST_P(Shared, ReductionsMatchTheHostPath) {
@@ -171,27 +230,8 @@ TEST_P(Shared, ReductionsMatchTheHostPath) {
         if (t3d_redop_supported(op, dt) != T3D_OK) continue;
         std::vector<size_t> counts = {0, 7};
         if (dt == T3D_FLOAT32 && op == T3D_SUM) counts.push_back(100003);
-        const size_t es = t3d_dtype_size(dt);
         for (size_t count : counts) {
-          const std::string c = CaseName(dt, op, count);
-          const Buf in = Filled(dt, rank, count, op);
-          Check(comm, rank, 0, dt, "allreduce " + c, Buf(in.size(), 0x5A),
-                [&](const t3d_opts_t *o, unsigned char *out, t3d_request_t **r) {
-                  return t3d_allreduce(comm, in.data(), out, count, dt, op, o, r);
-                });
-          Check(comm, rank, 0, dt, "in-place allreduce " + c, in,
-                [&](const t3d_opts_t *o, unsigned char *io, t3d_request_t **r) {
-                  return t3d_allreduce(comm, io, io, count, dt, op, o, r);
-                });
-          Check(comm, rank, 0, dt, "reduce " + c, Buf(in.size(), 0x5A),
-                [&](const t3d_opts_t *o, unsigned char *out, t3d_request_t **r) {
-                  return t3d_reduce(comm, in.data(), out, count, dt, op, n - 1, o, r);
-                });
-          const Buf big = Filled(dt, rank, count * n, op);
-          Check(comm, rank, 0, dt, "reduce_scatter " + c, Buf(std::max<size_t>(1, count * es), 0x5A),
-                [&](const t3d_opts_t *o, unsigned char *out, t3d_request_t **r) {
-                  return t3d_reduce_scatter(comm, big.data(), out, count, dt, op, o, r);
-                });
+          ReductionCases(comm, rank, n, dt, op, count, true, Staged(comm, rank));
           if (::testing::Test::HasFailure()) return;
         }
       }
@@ -207,14 +247,11 @@ TEST_P(Shared, MovesMatchTheHostPath) {
   RunRanks(n, [&](int rank, t3d_comm_t *comm) {
     for (t3d_dtype_t dt : {T3D_FLOAT32, T3D_INT8}) {
       for (size_t base : {size_t(0), size_t(5), size_t(40000)}) {
+        MoveCases(comm, rank, n, dt, base, Staged(comm, rank));
         const std::string c = std::string(t3d_dtype_name(dt)) + " x" + std::to_string(base);
         const size_t es = t3d_dtype_size(dt);
         Buf mine(std::max<size_t>(1, base * es));
         FillPattern(dt, rank, mine.data(), base);
-        Check(comm, rank, 0, dt, "broadcast " + c, mine,
-              [&](const t3d_opts_t *o, unsigned char *io, t3d_request_t **r) {
-                return t3d_broadcast(comm, io, base, dt, 1 % n, o, r);
-              });
         Check(comm, rank, 0, dt, "gather " + c, Buf(std::max<size_t>(1, base * es * n), 0x5A),
               [&](const t3d_opts_t *o, unsigned char *out, t3d_request_t **r) {
                 return t3d_gather(comm, mine.data(), out, base, dt, 0, o, r);
@@ -224,19 +261,6 @@ TEST_P(Shared, MovesMatchTheHostPath) {
         Check(comm, rank, 0, dt, "scatter " + c, Buf(mine.size(), 0x5A),
               [&](const t3d_opts_t *o, unsigned char *out, t3d_request_t **r) {
                 return t3d_scatter(comm, all.data(), out, base, dt, n - 1, o, r);
-              });
-        Check(comm, rank, 0, dt, "alltoall " + c, Buf(all.size(), 0x5A),
-              [&](const t3d_opts_t *o, unsigned char *out, t3d_request_t **r) {
-                return t3d_alltoall(comm, all.data(), out, base, dt, o, r);
-              });
-        // Uneven blocks with a gap after each: the gaps must keep their bytes.
-        std::vector<size_t> counts, displs;
-        const size_t span = AllgathervLayout(n, base, &counts, &displs);
-        Buf part(std::max<size_t>(1, counts[rank] * es));
-        FillPattern(dt, rank, part.data(), counts[rank]);
-        Check(comm, rank, 0, dt, "allgatherv " + c, Buf(std::max<size_t>(1, span * es), 0x5A),
-              [&](const t3d_opts_t *o, unsigned char *out, t3d_request_t **r) {
-                return t3d_allgatherv(comm, part.data(), counts[rank], out, counts.data(), displs.data(), dt, o, r);
               });
         const A2aLayout a = AlltoallvLayout(n, rank, base);
         Buf send(std::max<size_t>(1, a.s_total * es));
@@ -540,57 +564,23 @@ TEST_P(Ipc, MatchesTheHostPath) {
   Kernels k(true);
   const Counters before = Counters::Now();
   RunRanks(n, [&](int rank, t3d_comm_t *comm) {
+    const CheckFn ipc = [=](t3d_dtype_t dt, const std::string &what, const Buf &init, const IssueInto &issue) {
+      CheckIpc(comm, rank, dt, what, init, issue);
+    };
     for (t3d_dtype_t dt : {T3D_FLOAT32, T3D_BFLOAT16, T3D_INT64}) {
       for (t3d_redop_t op : {T3D_SUM, T3D_AVG, T3D_MAX, T3D_PREMUL_SUM}) {
         if (t3d_redop_supported(op, dt) != T3D_OK || !HostReduceSupported(dt, op)) continue;
         std::vector<size_t> counts = {0, 7};
         if (dt == T3D_FLOAT32 && op == T3D_SUM) counts.push_back(300007); // past the first buffer: it grows
-        const size_t es = t3d_dtype_size(dt);
         for (size_t count : counts) {
-          const std::string c = CaseName(dt, op, count);
-          const Buf in = Filled(dt, rank, count, op);
-          CheckIpc(comm, rank, dt, "allreduce " + c, Buf(in.size(), 0x5A),
-                   [&](const t3d_opts_t *o, unsigned char *out, t3d_request_t **r) {
-                     return t3d_allreduce(comm, in.data(), out, count, dt, op, o, r);
-                   });
-          CheckIpc(comm, rank, dt, "in-place allreduce " + c, in,
-                   [&](const t3d_opts_t *o, unsigned char *io, t3d_request_t **r) {
-                     return t3d_allreduce(comm, io, io, count, dt, op, o, r);
-                   });
-          const Buf big = Filled(dt, rank, count * n, op);
-          CheckIpc(comm, rank, dt, "reduce_scatter " + c, Buf(std::max<size_t>(1, count * es), 0x5A),
-                   [&](const t3d_opts_t *o, unsigned char *out, t3d_request_t **r) {
-                     return t3d_reduce_scatter(comm, big.data(), out, count, dt, op, o, r);
-                   });
+          ReductionCases(comm, rank, n, dt, op, count, false, ipc);
           if (::testing::Test::HasFailure()) return;
         }
       }
     }
     for (t3d_dtype_t dt : {T3D_FLOAT32, T3D_INT8}) {
       for (size_t base : {size_t(0), size_t(5), size_t(40000)}) {
-        const std::string c = std::string(t3d_dtype_name(dt)) + " x" + std::to_string(base);
-        const size_t es = t3d_dtype_size(dt);
-        Buf mine(std::max<size_t>(1, base * es));
-        FillPattern(dt, rank, mine.data(), base);
-        CheckIpc(comm, rank, dt, "broadcast " + c, mine,
-                 [&](const t3d_opts_t *o, unsigned char *io, t3d_request_t **r) {
-                   return t3d_broadcast(comm, io, base, dt, 1 % n, o, r);
-                 });
-        Buf all(std::max<size_t>(1, base * es * n));
-        FillPattern(dt, rank, all.data(), base * n);
-        CheckIpc(comm, rank, dt, "alltoall " + c, Buf(all.size(), 0x5A),
-                 [&](const t3d_opts_t *o, unsigned char *out, t3d_request_t **r) {
-                   return t3d_alltoall(comm, all.data(), out, base, dt, o, r);
-                 });
-        std::vector<size_t> counts, displs;
-        const size_t span = AllgathervLayout(n, base, &counts, &displs);
-        Buf part(std::max<size_t>(1, counts[rank] * es));
-        FillPattern(dt, rank, part.data(), counts[rank]);
-        CheckIpc(comm, rank, dt, "allgatherv " + c, Buf(std::max<size_t>(1, span * es), 0x5A),
-                 [&](const t3d_opts_t *o, unsigned char *out, t3d_request_t **r) {
-                   return t3d_allgatherv(comm, part.data(), counts[rank], out, counts.data(), displs.data(), dt, o,
-                                         r);
-                 });
+        MoveCases(comm, rank, n, dt, base, ipc);
         if (::testing::Test::HasFailure()) return;
       }
     }
