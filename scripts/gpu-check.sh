@@ -539,23 +539,23 @@ step_bench_collectives() {
 }
 step_train_cuda() { pytest_step tests/python/test_train_cuda.py; }
 step_bench_collectives_shared() {
-  # Ranks that share a GPU (NCCL refuses them): 2 and 4 ranks on whatever GPUs there are, t3d alone, on its device
-  # path (T3D_CUDA_PATH=ipc) and staged through host memory.
+  # Ranks that share a GPU (NCCL refuses them): 2 and 4 ranks on whatever GPUs there are, t3d alone: on its device
+  # path at every size (T3D_CUDA_PATH=ipc, T3D_CUDA_IPC_MIN_BYTES=0; at 2 ranks also with T3D_CUDA_IPC_WAIT=host, to
+  # see whether streams waiting on another process's events are what a call costs) and staged through host memory.
   py_env
-  local n path
-  for n in 2 4; do
-    for path in ipc staged; do
-      # The device path at every size (T3D_CUDA_IPC_MIN_BYTES=0), to see where it beats staging.
-      T3D_CUDA_PATH=$path T3D_CUDA_IPC_MIN_BYTES=0 "$PY" -m t3d.bench collectives --device cuda --nproc "$n" --backends t3d \
-        --ops all_reduce,broadcast,all_gather,reduce_scatter --max 16M \
-        --out "$STATE/bench-collectives-shared-$n-$path" --timeout 120 | tee -a "$STATE/bench-collectives-shared.out"
-      # The section after each run, so a run cut by --deadline still reports what finished.
-      { echo '```'; grep -E '^(#|\||Device)' "$STATE/bench-collectives-shared.out" | cut -c1-300 | tail -n 240
-        echo '```'; } >"$STEP_SHOW"
-    done
+  local run n path wait
+  for run in 2:ipc:device 2:ipc:host 2:staged:device 4:ipc:device 4:staged:device; do
+    IFS=: read -r n path wait <<<"$run"
+    echo "== $n ranks, T3D_CUDA_PATH=$path, T3D_CUDA_IPC_WAIT=$wait" | tee -a "$STATE/bench-collectives-shared.out"
+    T3D_CUDA_PATH=$path T3D_CUDA_IPC_MIN_BYTES=0 T3D_CUDA_IPC_WAIT=$wait "$PY" -m t3d.bench collectives \
+      --device cuda --nproc "$n" --backends t3d --ops all_reduce,broadcast,all_gather,reduce_scatter --max 16M \
+      --out "$STATE/bench-collectives-shared-$n-$path-$wait" --timeout 120 | tee -a "$STATE/bench-collectives-shared.out"
+    # The section after each run, so a run cut by --deadline still reports what finished.
+    { echo '```'; grep -E '^(#|\||Device|==)' "$STATE/bench-collectives-shared.out" | cut -c1-300 | tail -n 300
+      echo '```'; } >"$STEP_SHOW"
   done
   echo "t3d-bench collectives --device cuda --nproc 2 and 4 --backends t3d --max 16M (ranks sharing GPUs;" \
-       "T3D_CUDA_PATH=ipc and staged)" >"$STEP_DETAIL"
+       "T3D_CUDA_PATH=ipc, with either T3D_CUDA_IPC_WAIT at 2 ranks, and staged)" >"$STEP_DETAIL"
 }
 step_ctest() {
   # No C test loads the real libnccl today (the fakes set T3D_NCCL_LIBRARY themselves, test_nccl_missing gets its
@@ -602,7 +602,7 @@ else
   run_step train-cuda 420 step_train_cuda stage
   run_step bench-attention 240 step_bench stage
   run_step bench-collectives 200 step_bench_collectives stage
-  run_step bench-collectives-shared 300 step_bench_collectives_shared stage
+  run_step bench-collectives-shared 360 step_bench_collectives_shared stage
 fi
 
 write_report

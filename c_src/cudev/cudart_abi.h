@@ -56,6 +56,7 @@ typedef struct t3d_cudart_api {
   t3d_cuda_error_t (*IpcGetEventHandle)(t3d_cuda_ipc_handle_t *handle, void *event);
   t3d_cuda_error_t (*IpcOpenEventHandle)(void **event, t3d_cuda_ipc_handle_t handle);
   t3d_cuda_error_t (*StreamWaitEvent)(void *stream, void *event, unsigned flags);
+  t3d_cuda_error_t (*EventQuery)(void *event); /* T3D_CUDA_NOT_READY while its work is pending */
 } t3d_cudart_api_t;
 
 #endif /* T3D_CUDART_ABI_H */

@@ -42,7 +42,8 @@ static int try_one(const char *path) {
            resolve(lib, path, "cudaEventRecord", &api.EventRecord) &&
            resolve(lib, path, "cudaIpcGetEventHandle", &api.IpcGetEventHandle) &&
            resolve(lib, path, "cudaIpcOpenEventHandle", &api.IpcOpenEventHandle) &&
-           resolve(lib, path, "cudaStreamWaitEvent", &api.StreamWaitEvent);
+           resolve(lib, path, "cudaStreamWaitEvent", &api.StreamWaitEvent) &&
+           resolve(lib, path, "cudaEventQuery", &api.EventQuery);
   if (!ok) {
     dlclose(lib);
     return -1;

@@ -47,6 +47,12 @@ t3d_result_t t3d__cudev_new(t3d_comm_t *comm, t3d_cudev_t **out) {
                           "t3d_comm_init: T3D_CUDA_PATH='%s' on rank %d: expected auto, ipc, nccl or staged", want,
                           comm->rank);
   }
+  const char *wait = t3d__param_str(T3D_PARAM_CUDA_IPC_WAIT);
+  if (strcmp(wait, "device") != 0 && strcmp(wait, "host") != 0) {
+    return t3d__set_error(comm, T3D_ERR_INVALID_ARG,
+                          "t3d_comm_init: T3D_CUDA_IPC_WAIT='%s' on rank %d: expected device or host", wait,
+                          comm->rank);
+  }
   t3d_cudev_t *st = calloc(1, sizeof *st);
   if (st == NULL) return T3D_ERR_NO_MEMORY;
   pthread_mutex_init(&st->mu, NULL);

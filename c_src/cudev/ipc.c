@@ -14,6 +14,9 @@
  *      order, so that all ranks compute the same bytes.
  *   F. S records `done`. The request completes now: the rest happens in stream order, as with NCCL.
  *
+ * With T3D_CUDA_IPC_WAIT=host the waits of B and E are this thread's polls of the events instead of the stream's, so
+ * that no stream waits on another process's (whether that is what costs on a shared GPU is for a GPU run to say).
+ *
  * Why the events cannot be re-recorded too early: a peer records `copied` again only after its next A, which needs
  * this rank's next A, which comes after this rank's E; it records `done` again only after its next D, which needs
  * this rank's next C, which comes after this rank's next B. */
@@ -317,6 +320,41 @@ static t3d_result_t read_peers(t3d_cudev_ipc_t *s, const t3d_cudart_api_t *api, 
   }
 }
 
+/* Whether the peers' events are waited for by this thread (T3D_CUDA_IPC_WAIT=host) instead of by the stream. */
+static int wait_on_host(void) { return strcmp(t3d__param_str(T3D_PARAM_CUDA_IPC_WAIT), "host") == 0; }
+
+/* Makes the work that follows on stream wait for the peers' events (only_writers: of the peers that wrote their
+ * buffer in this collective): on the device
+ * (cudaStreamWaitEvent), or here, by polling them (spin, yield, nap; the communicator's abort and the deadline end
+ * it), so that no stream of this process waits on another process's. */
+static t3d_result_t wait_peers(t3d_exec_t *ex, t3d_cudev_ipc_t *s, const t3d_cudart_api_t *api, void **events,
+                               int only_writers, void *stream, char *err, size_t errlen) {
+  const int host = wait_on_host();
+  for (int p = 0; p < s->n; p++) {
+    if (p == s->rank || (only_writers && s->metas[p].need == 0)) continue;
+    if (!host) {
+      CUDA_OR_FAIL(api->StreamWaitEvent(stream, events[p], 0), "cudaStreamWaitEvent");
+      continue;
+    }
+    t3d_backoff_t b = {0};
+    for (;;) {
+      t3d_cuda_error_t e = api->EventQuery(events[p]);
+      if (e == T3D_CUDA_SUCCESS) break;
+      if (e != T3D_CUDA_NOT_READY) CUDA_OR_FAIL(e, "cudaEventQuery");
+      if (atomic_load(&ex->comm->aborted)) {
+        snprintf(err, errlen, "aborted while waiting for rank %d's device work", p);
+        return T3D_ERR_ABORTED;
+      }
+      if (t3d__now_ns() > ex->deadline_ns) {
+        snprintf(err, errlen, "timed out waiting for rank %d's device work", p);
+        return T3D_ERR_TIMEOUT;
+      }
+      t3d__backoff_wait(&b);
+    }
+  }
+  return T3D_OK;
+}
+
 /* A host request of kind on this communicator, through `host` (the engine's host provider). */
 static t3d_result_t host_op(t3d_exec_t *ex, const t3d_request_t *r, t3d_op_kind_t kind, t3d_cudev_ipc_t *s,
                             t3d_result_t (*host)(t3d_exec_t *, t3d_request_t *)) {
@@ -380,9 +418,7 @@ t3d_result_t t3d__cudev_ipc_run(t3d_exec_t *ex, t3d_request_t *r, t3d_cudev_ipc_
   if ((res = open_peers(s, api, err, errlen)) != T3D_OK) return res;
   /* B, C */
   if (need > 0) {
-    for (int p = 0; p < n; p++) {
-      if (p != me) CUDA_OR_FAIL(api->StreamWaitEvent(r->stream, s->peer_done[p], 0), "cudaStreamWaitEvent");
-    }
+    if ((res = wait_peers(ex, s, api, s->peer_done, 0, r->stream, err, errlen)) != T3D_OK) return res;
     CUDA_OR_FAIL(api->MemcpyAsync(s->buf, src, need, T3D_CUDA_MEMCPY_DEVICE_TO_DEVICE, r->stream),
                  "cudaMemcpyAsync (device to device)");
   }
@@ -390,11 +426,7 @@ t3d_result_t t3d__cudev_ipc_run(t3d_exec_t *ex, t3d_request_t *r, t3d_cudev_ipc_
   /* D */
   if ((res = host_op(ex, r, T3D_OP_BARRIER, s, host)) != T3D_OK) return res;
   /* E, F */
-  for (int p = 0; p < n; p++) {
-    if (p != me && s->metas[p].need > 0) {
-      CUDA_OR_FAIL(api->StreamWaitEvent(r->stream, s->peer_copied[p], 0), "cudaStreamWaitEvent");
-    }
-  }
+  if ((res = wait_peers(ex, s, api, s->peer_copied, 1, r->stream, err, errlen)) != T3D_OK) return res;
   if ((res = read_peers(s, api, &k, r, n, err, errlen)) != T3D_OK) return res;
   CUDA_OR_FAIL(api->EventRecord(s->ev_done, r->stream), "cudaEventRecord");
   return T3D_OK;

@@ -288,6 +288,21 @@ int cudaEventRecord(void *ev, void *stream) {
   return SUCCESS;
 }
 
+/* Done once its stream has run up to the place it marks: asking runs it there, as a device would have by then. */
+int cudaEventQuery(void *ev) {
+  event_t *e = ev;
+  if (e == NULL) return INVALID_VALUE;
+  pthread_mutex_lock(&mu);
+  if (e->stream != NULL) {
+    copy_t wait = {0};
+    wait.wait_stream = e->stream;
+    wait.wait_pos = e->pos;
+    run_step(&wait);
+  }
+  pthread_mutex_unlock(&mu);
+  return SUCCESS;
+}
+
 int cudaIpcGetEventHandle(handle_t *h, void *ev) {
   if (ev == NULL) return INVALID_VALUE;
   to_handle(h, ev);

@@ -15,6 +15,7 @@
 #include <memory>
 #include <algorithm>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "fake_nccl_api.h"
@@ -552,15 +553,17 @@ struct Counters {
   }
 };
 
-class Ipc : public ::testing::TestWithParam<int> {};
+// Ranks, and how they wait for each other's device work (T3D_CUDA_IPC_WAIT).
+class Ipc : public ::testing::TestWithParam<std::pair<int, const char *>> {};
 
 // Every collective the device path runs, at 2-4 ranks: the same bytes as the host path, nothing staged through
 // host memory, and every device buffer, mapping and event released with the communicators.
 TEST_P(Ipc, MatchesTheHostPath) {
   if (NoRuntime()) GTEST_SKIP() << "no CUDA runtime in this run";
-  const int n = GetParam();
+  const int n = GetParam().first;
   CudaPath path("ipc");
   EnvScope every_size("T3D_CUDA_IPC_MIN_BYTES", "0");
+  EnvScope wait("T3D_CUDA_IPC_WAIT", GetParam().second);
   Kernels k(true);
   const Counters before = Counters::Now();
   RunRanks(n, [&](int rank, t3d_comm_t *comm) {
@@ -594,17 +597,24 @@ TEST_P(Ipc, MatchesTheHostPath) {
   EXPECT_EQ(before.events, after.events) << "events must be destroyed with their communicator";
 }
 
-INSTANTIATE_TEST_SUITE_P(Ranks, Ipc, ::testing::Values(2, 3, 4),
-                         [](const ::testing::TestParamInfo<int> &i) { return "n" + std::to_string(i.param); });
+INSTANTIATE_TEST_SUITE_P(Ranks, Ipc,
+                         ::testing::Values(std::make_pair(2, "device"), std::make_pair(3, "device"),
+                                           std::make_pair(4, "device"), std::make_pair(3, "host")),
+                         [](const ::testing::TestParamInfo<std::pair<int, const char *>> &i) {
+                           return "n" + std::to_string(i.param.first) + "_" + i.param.second;
+                         });
 
 // Many collectives queued back to back before any stream runs: each rank's buffer is rewritten by the next one
 // only after every peer has read it (the `done` events), and read only after its owner filled it (`copied`).
 // Sizes change on the way, so buffers grow while older work still reads the old ones.
-TEST(CudevIpc, BackToBackInStreamOrder) {
+class IpcWait : public ::testing::TestWithParam<const char *> {};
+
+TEST_P(IpcWait, BackToBackInStreamOrder) {
   if (NoRuntime()) GTEST_SKIP() << "no CUDA runtime in this run";
   const int n = 3;
   CudaPath path("ipc");
   EnvScope every_size("T3D_CUDA_IPC_MIN_BYTES", "0");
+  EnvScope wait("T3D_CUDA_IPC_WAIT", GetParam());
   Kernels k(true);
   RunRanks(n, [&](int rank, t3d_comm_t *comm) {
     const std::vector<size_t> counts = {10, 400000, 3, 700000, 10, 1};
@@ -631,6 +641,8 @@ TEST(CudevIpc, BackToBackInStreamOrder) {
     }
   });
 }
+
+INSTANTIATE_TEST_SUITE_P(Waits, IpcWait, ::testing::Values("device", "host"));
 
 // What the device path cannot run is staged, the same on every rank: reductions without a registered kernel or
 // with a (dtype, op) it lacks, and alltoallv with uneven blocks.
@@ -684,6 +696,17 @@ TEST(CudevIpc, SmallCollectivesStayStaged) {
     EXPECT_EQ(device, after.d2d > before.d2d) << count * 4 << " bytes";
     EXPECT_EQ(!device, after.h2d > before.h2d) << count * 4 << " bytes";
   }
+}
+
+TEST(CudevIpc, UnknownWaitIsRefused) {
+  EnvScope wait("T3D_CUDA_IPC_WAIT", "gpu");
+  MemStore store;
+  t3d_comm_t *comm = nullptr;
+  EXPECT_EQ(T3D_ERR_INVALID_ARG, t3d_comm_init(&comm, 0, 1, store.store(), nullptr));
+  EXPECT_EQ(nullptr, comm);
+  const std::string err = t3d_thread_last_error();
+  EXPECT_NE(std::string::npos, err.find("T3D_CUDA_IPC_WAIT='gpu'")) << err;
+  EXPECT_NE(std::string::npos, err.find("rank 0")) << err;
 }
 
 // A peer's buffer that cannot be mapped fails the collective with the runtime's words and the way out.

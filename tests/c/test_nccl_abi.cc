@@ -171,6 +171,7 @@ static_assert(std::is_same<decltype(&cudaIpcGetEventHandle), cudaError_t (*)(cud
               "");
 static_assert(std::is_same<decltype(&cudaIpcOpenEventHandle), cudaError_t (*)(cudaEvent_t *, cudaIpcEventHandle_t)>::value,
               "");
+static_assert(std::is_same<decltype(&cudaEventQuery), cudaError_t (*)(cudaEvent_t)>::value, "");
 static_assert(std::is_same<decltype(static_cast<cudaError_t (*)(cudaStream_t, cudaEvent_t, unsigned int)>(
                                &cudaStreamWaitEvent)),
                            cudaError_t (*)(cudaStream_t, cudaEvent_t, unsigned int)>::value, "");

@@ -653,6 +653,8 @@ def run(args) -> int:
                 floor = os.environ.get("T3D_CUDA_IPC_MIN_BYTES") or "1048576"
                 how = (f"on the device through CUDA IPC (T3D_CUDA_PATH=ipc) from {floor} bytes, staged below"
                        if floor != "0" else "on the device through CUDA IPC (T3D_CUDA_PATH=ipc) at every size")
+                if os.environ.get("T3D_CUDA_IPC_WAIT") == "host":
+                    how += ", peers' events polled by the host (T3D_CUDA_IPC_WAIT=host)"
             results["_gpu_layout"] = f"{n} ranks on {gpus} GPU(s), {how}"
     known = ("t3d", "t3d-mem", "gloo", "mpi") if device == "cpu" else ("t3d", "nccl", "gloo")
     backends = []
