@@ -556,6 +556,32 @@ step_bench_collectives_shared() {
   done
   echo "t3d-bench collectives --device cuda --nproc 2 and 4 --backends t3d --max 16M (ranks sharing GPUs;" \
        "T3D_CUDA_PATH=ipc, with either T3D_CUDA_IPC_WAIT at 2 ranks, and staged)" >"$STEP_DETAIL"
+  # The paths side by side (microseconds per call), ahead of the full tables.
+  "$PY" - "$STATE" >"$STATE/shared-summary.md" <<'PYEOF' || true
+import json, os, sys
+state = sys.argv[1]
+runs = [("2", "ipc", "device"), ("2", "ipc", "host"), ("2", "staged", "device"), ("4", "ipc", "device"),
+        ("4", "staged", "device")]
+rows = {}
+for n, path, wait in runs:
+    f = os.path.join(state, f"bench-collectives-shared-{n}-{path}-{wait}", f"collectives-cuda-{n}ranks.json")
+    if not os.path.exists(f):
+        continue
+    for r in json.load(open(f))["results"].get("t3d", []):
+        rows.setdefault((r["op"], r["bytes"]), {})[(n, path, wait)] = r["time_us"]
+if rows:
+    have = [k for k in runs if any(k in v for v in rows.values())]
+    names = [f"{n} ranks {path}" + (" (host waits)" if wait == "host" else "") for n, path, wait in have]
+    print("| op | bytes | " + " | ".join(names) + " |")
+    print("|---|---:|" + "---:|" * len(have))
+    for (op, b), v in sorted(rows.items()):
+        if b in (8, 8192, 32768, 524288, 2097152, 16777216):
+            print(f"| {op} | {b} | " + " | ".join(f"{v[k]:.1f}" if k in v else "-" for k in have) + " |")
+PYEOF
+  if [ -s "$STATE/shared-summary.md" ]; then
+    { echo "Microseconds per call, each path at every size (T3D_CUDA_IPC_MIN_BYTES=0):"; echo
+      cat "$STATE/shared-summary.md"; echo; cat "$STEP_SHOW"; } >"$STEP_SHOW.tmp" && mv "$STEP_SHOW.tmp" "$STEP_SHOW"
+  fi
 }
 step_ctest() {
   # No C test loads the real libnccl today (the fakes set T3D_NCCL_LIBRARY themselves, test_nccl_missing gets its
