@@ -44,6 +44,7 @@ typedef struct {
 typedef struct {
   void *stream; /* NULL until recorded */
   long pos;
+  int refs; /* the creator and every IPC open: freed when all have destroyed it */
 } event_t;
 
 #define MAX_STREAMS 64
@@ -264,6 +265,7 @@ int cudaEventCreateWithFlags(void **ev, unsigned flags) {
   (void)flags;
   event_t *e = calloc(1, sizeof *e);
   if (e == NULL) return MEMORY_ALLOCATION;
+  e->refs = 1;
   atomic_fetch_add(&events_live, 1);
   *ev = e;
   return SUCCESS;
@@ -272,8 +274,13 @@ int cudaEventCreateWithFlags(void **ev, unsigned flags) {
 /* An event opened through IPC is the same object here: each open counts as one more live event, and each destroy as
  * one less (the real runtime destroys the importer's handle, not the exporter's event). */
 int cudaEventDestroy(void *ev) {
-  if (ev == NULL) return INVALID_VALUE;
+  event_t *e = ev;
+  if (e == NULL) return INVALID_VALUE;
   atomic_fetch_sub(&events_live, 1);
+  pthread_mutex_lock(&mu);
+  int last = --e->refs == 0;
+  pthread_mutex_unlock(&mu);
+  if (last) free(e);
   return SUCCESS;
 }
 
@@ -312,6 +319,9 @@ int cudaIpcGetEventHandle(handle_t *h, void *ev) {
 int cudaIpcOpenEventHandle(void **ev, handle_t h) {
   *ev = from_handle(&h);
   if (*ev == NULL) return INVALID_VALUE;
+  pthread_mutex_lock(&mu);
+  ((event_t *)*ev)->refs++;
+  pthread_mutex_unlock(&mu);
   atomic_fetch_add(&events_live, 1);
   return SUCCESS;
 }
