@@ -1,6 +1,7 @@
 # t3d-train on CUDA: the default dp2 x tp2 x cp2 layout (8 ranks) on the GPUs there are (one, on the machines this
 # project is lent: its ranks share it, and t3d stages their CUDA tensors through host memory) against one process
-# on one GPU: the same global batch per step, so the loss curves agree within float32 reduction-order noise.
+# on one GPU: the same global batch per step, so the loss curves agree within float32 reduction-order noise; with
+# the ranks' collectives staged through host memory, and on the device path.
 # Skips without a GPU.
 import json
 import os
@@ -20,21 +21,27 @@ COMMON = ["--device", "cuda", "--steps", str(STEPS), "--global-batch", "8", "--s
           "--no-progress", "--no-plot", "--no-save", "--timeout", "240"]
 
 
-def _train(tmp_path, name, dp, tp, cp):
+def _train(tmp_path, name, dp, tp, cp, extra_env=None):
     out = tmp_path / name
     cmd = [sys.executable, "-m", "t3d.train", "--dp", str(dp), "--tp", str(tp), "--cp", str(cp), "--ckpt-dir",
            str(out), "--metrics-json", str(out / "metrics.json"), *COMMON]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               T3D_MODEL_CACHE=str(tmp_path / "models"))
+               T3D_MODEL_CACHE=str(tmp_path / "models"), **(extra_env or {}))
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=480)
     assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     with open(out / "metrics.json") as f:
         return [r["loss"] for r in json.load(f)["records"]]
 
 
-def test_dp2_tp2_cp2_on_shared_gpus_matches_one_process(tmp_path):
+# staged: through host memory (T3D_CUDA_PATH=auto's choice for ranks that share a GPU); ipc: the device path at
+# every size (c_src/cudev/ipc.c).
+PATHS = {"staged": {}, "ipc": {"T3D_CUDA_PATH": "ipc", "T3D_CUDA_IPC_MIN_BYTES": "0"}}
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_dp2_tp2_cp2_on_shared_gpus_matches_one_process(tmp_path, path):
     one = _train(tmp_path, "one", 1, 1, 1)
-    eight = _train(tmp_path, "eight", 2, 2, 2)
+    eight = _train(tmp_path, "eight", 2, 2, 2, PATHS[path])
     assert len(one) == len(eight) == STEPS
     assert one[-1] < one[0], f"loss did not fall: {one}"
     for i, (g, w) in enumerate(zip(eight, one)):
