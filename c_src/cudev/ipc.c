@@ -94,10 +94,24 @@ static int hold(t3d_cudev_ipc_t *s, void *ptr, int mapped) {
   return 1;
 }
 
+/* Whether event is done, asking for up to a second (an error, e.g. a runtime shutting down, ends the wait). */
+static void settle(const t3d_cudart_api_t *api, void *event) {
+  if (event == NULL) return;
+  uint64_t until = t3d__now_ns() + 1000000000ull;
+  t3d_backoff_t b = {0};
+  while (api->EventQuery(event) == T3D_CUDA_NOT_READY && t3d__now_ns() < until) t3d__backoff_wait(&b);
+}
+
 void t3d__cudev_ipc_free(t3d_cudev_ipc_t *s) {
   if (s == NULL) return;
   const t3d_cudart_api_t *api = t3d__cudart_api(NULL);
   if (api != NULL) {
+    /* Reads still queued: this rank's of the peers' buffers end with its `done`, the peers' of this rank's buffer
+     * with theirs. Freed before those, a buffer could be read after it is gone. */
+    settle(api, s->ev_done);
+    for (int p = 0; p < s->n; p++) {
+      if (p != s->rank && s->peer_done != NULL) settle(api, s->peer_done[p]);
+    }
     for (int p = 0; p < s->n; p++) {
       if (p == s->rank) continue;
       if (s->peer_buf != NULL && s->peer_buf[p] != NULL) api->IpcCloseMemHandle(s->peer_buf[p]);

@@ -698,6 +698,31 @@ TEST(CudevIpc, SmallCollectivesStayStaged) {
   }
 }
 
+// A communicator freed while its device work is still queued first lets that work finish (its reads of the peers'
+// buffers, and theirs of its own), so no buffer is freed before the last read of it.
+TEST(CudevIpc, FreeWaitsForQueuedReads) {
+  if (NoRuntime()) GTEST_SKIP() << "no CUDA runtime in this run";
+  CudaPath path("ipc");
+  EnvScope every_size("T3D_CUDA_IPC_MIN_BYTES", "0");
+  Kernels k(true);
+  const size_t count = 1000;
+  std::vector<std::vector<float>> in(2, std::vector<float>(count)), out(2, std::vector<float>(count, -1.0f));
+  RunRanks(2, [&](int rank, t3d_comm_t *comm) {
+    for (size_t i = 0; i < count; ++i) in[rank][i] = static_cast<float>(rank + 1 + i);
+    const t3d_opts_t cuda = Cuda(T3D_FLOAT32, rank, 0);
+    t3d_request_t *r = nullptr;
+    ASSERT_EQ(T3D_OK, t3d_allreduce(comm, in[rank].data(), out[rank].data(), count, T3D_FLOAT32, T3D_SUM, &cuda, &r));
+    ASSERT_EQ(T3D_OK, Finish(r));
+    // No stream is run here: the communicator is freed with the work queued.
+  });
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_EQ(0, Cudart().pending_on(StreamOf(rank))) << Tag(rank, "work left queued after its communicator");
+    for (size_t i = 0; i < count; ++i) {
+      ASSERT_EQ(static_cast<float>(3 + 2 * i), out[rank][i]) << Tag(rank, "at " + std::to_string(i));
+    }
+  }
+}
+
 TEST(CudevIpc, UnknownWaitIsRefused) {
   EnvScope wait("T3D_CUDA_IPC_WAIT", "gpu");
   MemStore store;
