@@ -195,28 +195,11 @@ static const char *cuda_text(const t3d_cudart_api_t *api, t3d_cuda_error_t e) {
   return s != NULL ? s : "unknown CUDA error";
 }
 
-/* Waits (spin, yield, nap) until everything queued on the stream has finished; the communicator's abort and the
- * deadline end the wait. Fills err on failure. */
+/* Until everything queued on the stream has finished. */
 static t3d_result_t wait_stream(t3d_comm_t *comm, const t3d_cudart_api_t *api, void *stream, uint64_t deadline_ns,
                                 char *err, size_t errlen) {
-  t3d_backoff_t b = {0};
-  for (;;) {
-    t3d_cuda_error_t e = api->StreamQuery(stream);
-    if (e == T3D_CUDA_SUCCESS) return T3D_OK;
-    if (e != T3D_CUDA_NOT_READY) {
-      snprintf(err, errlen, "cudaStreamQuery failed: %s", cuda_text(api, e));
-      return T3D_ERR_TRANSPORT; /* breaks the group: peers must not wait for this rank */
-    }
-    if (atomic_load(&comm->aborted)) {
-      snprintf(err, errlen, "aborted while the device copied its staging buffers");
-      return T3D_ERR_ABORTED;
-    }
-    if (t3d__now_ns() > deadline_ns) {
-      snprintf(err, errlen, "timed out waiting for the device to copy its staging buffers");
-      return T3D_ERR_TIMEOUT;
-    }
-    t3d__backoff_wait(&b);
-  }
+  return t3d__cudev_poll(comm, api, api->StreamQuery, stream, "cudaStreamQuery",
+                         "the device to copy its staging buffers", deadline_ns, err, errlen);
 }
 
 static t3d_result_t copy(const t3d_cudart_api_t *api, void *dst, const void *src, size_t bytes, int to_device,

@@ -16,6 +16,12 @@ const t3d_cudart_api_t *t3d__cudart_api(const char **error);
 t3d_result_t t3d__cudev_new(t3d_comm_t *comm, t3d_cudev_t **out);
 void t3d__cudev_free(t3d_cudev_t *st);
 
+/* Polls query(handle) (cudaStreamQuery, cudaEventQuery) until it is done: spin, yield, nap; the communicator's
+ * abort and the deadline end the wait. On failure err says so: "<call> failed: ...", or "... waiting for <what>". */
+t3d_result_t t3d__cudev_poll(t3d_comm_t *comm, const t3d_cudart_api_t *api,
+                             t3d_cuda_error_t (*query)(void *), void *handle, const char *call, const char *what,
+                             uint64_t deadline_ns, char *err, size_t errlen);
+
 /* The device path (ipc.c, T3D_CUDA_PATH=ipc): a communicator's buffers and events, made at its first such call. */
 typedef struct t3d_cudev_ipc t3d_cudev_ipc_t;
 /* Whether r goes to the device path (t3d__cudev_ipc_run), the same answer on every rank: allreduce,

@@ -64,6 +64,7 @@ typedef struct {
 
 struct t3d_cudev_ipc {
   int n, rank;
+  int host_waits; /* T3D_CUDA_IPC_WAIT=host (read once, at setup) */
   /* this rank's */
   void *buf;
   size_t cap;
@@ -162,6 +163,7 @@ static t3d_result_t setup(t3d_cudev_ipc_t **out, const t3d_cudart_api_t *api, in
   *out = s;
   s->n = n;
   s->rank = rank;
+  s->host_waits = strcmp(t3d__param_str(T3D_PARAM_CUDA_IPC_WAIT), "host") == 0;
   s->peer_buf = calloc((size_t)n, sizeof *s->peer_buf);
   s->peer_gen = calloc((size_t)n, sizeof *s->peer_gen);
   s->peer_copied = calloc((size_t)n, sizeof *s->peer_copied);
@@ -334,37 +336,22 @@ static t3d_result_t read_peers(t3d_cudev_ipc_t *s, const t3d_cudart_api_t *api, 
   }
 }
 
-/* Whether the peers' events are waited for by this thread (T3D_CUDA_IPC_WAIT=host) instead of by the stream. */
-static int wait_on_host(void) { return strcmp(t3d__param_str(T3D_PARAM_CUDA_IPC_WAIT), "host") == 0; }
-
 /* Makes the work that follows on stream wait for the peers' events (only_writers: of the peers that wrote their
- * buffer in this collective): on the device
- * (cudaStreamWaitEvent), or here, by polling them (spin, yield, nap; the communicator's abort and the deadline end
- * it), so that no stream of this process waits on another process's. */
+ * buffer in this collective): on the device (cudaStreamWaitEvent), or, with T3D_CUDA_IPC_WAIT=host, here, by
+ * polling them, so that no stream of this process waits on another process's. */
 static t3d_result_t wait_peers(t3d_exec_t *ex, t3d_cudev_ipc_t *s, const t3d_cudart_api_t *api, void **events,
                                int only_writers, void *stream, char *err, size_t errlen) {
-  const int host = wait_on_host();
   for (int p = 0; p < s->n; p++) {
     if (p == s->rank || (only_writers && s->metas[p].need == 0)) continue;
-    if (!host) {
+    if (!s->host_waits) {
       CUDA_OR_FAIL(api->StreamWaitEvent(stream, events[p], 0), "cudaStreamWaitEvent");
       continue;
     }
-    t3d_backoff_t b = {0};
-    for (;;) {
-      t3d_cuda_error_t e = api->EventQuery(events[p]);
-      if (e == T3D_CUDA_SUCCESS) break;
-      if (e != T3D_CUDA_NOT_READY) CUDA_OR_FAIL(e, "cudaEventQuery");
-      if (atomic_load(&ex->comm->aborted)) {
-        snprintf(err, errlen, "aborted while waiting for rank %d's device work", p);
-        return T3D_ERR_ABORTED;
-      }
-      if (t3d__now_ns() > ex->deadline_ns) {
-        snprintf(err, errlen, "timed out waiting for rank %d's device work", p);
-        return T3D_ERR_TIMEOUT;
-      }
-      t3d__backoff_wait(&b);
-    }
+    char what[48];
+    snprintf(what, sizeof what, "rank %d's device work", p);
+    t3d_result_t res = t3d__cudev_poll(ex->comm, api, api->EventQuery, events[p], "cudaEventQuery", what,
+                                       ex->deadline_ns, err, errlen);
+    if (res != T3D_OK) return res;
   }
   return T3D_OK;
 }
