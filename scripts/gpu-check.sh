@@ -538,48 +538,77 @@ step_bench_collectives() {
   { echo '```'; grep -E '^(#|\|)' "$STATE/bench-collectives.out" | cut -c1-300 | tail -n 80; echo '```'; } >"$STEP_SHOW"
 }
 step_train_cuda() { pytest_step tests/python/test_train_cuda.py; }
+mps_start() {  # a private MPS control daemon (its own pipe directory: only processes given it become clients)
+  command -v nvidia-cuda-mps-control >/dev/null 2>&1 || { echo "no nvidia-cuda-mps-control on PATH"; return 1; }
+  export CUDA_MPS_PIPE_DIRECTORY="$STATE/mps/pipe" CUDA_MPS_LOG_DIRECTORY="$STATE/mps/log"
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  nvidia-cuda-mps-control -d || { echo "nvidia-cuda-mps-control -d failed"; return 1; }
+  sleep 1
+}
+mps_stop() {
+  [ -n "${CUDA_MPS_PIPE_DIRECTORY:-}" ] || return 0
+  echo quit | nvidia-cuda-mps-control >/dev/null 2>&1 || true
+  sleep 1
+  tail -n 5 "$CUDA_MPS_LOG_DIRECTORY/control.log" 2>/dev/null | sed 's/^/mps control.log: /' || true
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+}
 step_bench_collectives_shared() {
-  # Ranks that share a GPU (NCCL refuses them): 2 and 4 ranks on whatever GPUs there are, t3d alone: on its device
-  # path at every size (T3D_CUDA_PATH=ipc, T3D_CUDA_IPC_MIN_BYTES=0; at 2 ranks also with T3D_CUDA_IPC_WAIT=host, to
-  # see whether streams waiting on another process's events are what a call costs) and staged through host memory.
+  # Ranks that share a GPU (NCCL refuses them), t3d alone: on its device path at every size (T3D_CUDA_PATH=ipc,
+  # T3D_CUDA_IPC_MIN_BYTES=0; also with T3D_CUDA_IPC_WAIT=host, polled by the host instead of waited by the
+  # stream) and staged through host memory; each also under MPS (one GPU context for all the ranks' processes,
+  # instead of one context each, time-sliced), to see whether context switches are what a small call costs.
+  # T3D_GPU_CHECK_SHARED_RUNS: the runs, "ranks:path:wait[:mps]" each; T3D_GPU_CHECK_SHARED_OPS: the ops.
   py_env
-  local run n path wait
-  for run in 2:ipc:device 2:ipc:host 2:staged:device 4:ipc:device 4:staged:device; do
-    IFS=: read -r n path wait <<<"$run"
-    echo "== $n ranks, T3D_CUDA_PATH=$path, T3D_CUDA_IPC_WAIT=$wait" | tee -a "$STATE/bench-collectives-shared.out"
+  local runs="${T3D_GPU_CHECK_SHARED_RUNS:-2:ipc:device 2:ipc:device:mps 2:staged:device 2:staged:device:mps \
+2:ipc:host 4:ipc:device 4:ipc:device:mps 4:staged:device}"
+  local ops="${T3D_GPU_CHECK_SHARED_OPS:-all_reduce}"
+  local run n path wait mps tag
+  trap mps_stop EXIT
+  trap 'mps_stop; exit 143' TERM INT
+  for run in $runs; do
+    IFS=: read -r n path wait mps <<<"$run"
+    tag="$n-$path-$wait${mps:+-mps}"
+    echo "== $n ranks, T3D_CUDA_PATH=$path, T3D_CUDA_IPC_WAIT=$wait${mps:+, under MPS}" \
+      | tee -a "$STATE/bench-collectives-shared.out"
+    if [ -n "$mps" ] && [ -z "${CUDA_MPS_PIPE_DIRECTORY:-}" ] && ! mps_start >>"$STATE/bench-collectives-shared.out" 2>&1; then
+      echo "(MPS did not start: run skipped)" | tee -a "$STATE/bench-collectives-shared.out"
+      continue
+    fi
+    if [ -z "$mps" ] && [ -n "${CUDA_MPS_PIPE_DIRECTORY:-}" ]; then mps_stop | tee -a "$STATE/bench-collectives-shared.out"; fi
     T3D_CUDA_PATH=$path T3D_CUDA_IPC_MIN_BYTES=0 T3D_CUDA_IPC_WAIT=$wait "$PY" -m t3d.bench collectives \
-      --device cuda --nproc "$n" --backends t3d --ops all_reduce,broadcast,all_gather,reduce_scatter --max 16M \
-      --out "$STATE/bench-collectives-shared-$n-$path-$wait" --timeout 120 | tee -a "$STATE/bench-collectives-shared.out"
+      --device cuda --nproc "$n" --backends t3d --ops "$ops" --max 16M \
+      --out "$STATE/bench-collectives-shared-$tag" --timeout 120 | tee -a "$STATE/bench-collectives-shared.out" \
+      || echo "(run $tag failed: exit status $?)" | tee -a "$STATE/bench-collectives-shared.out"
     # The section after each run, so a run cut by --deadline still reports what finished.
-    { echo '```'; grep -E '^(#|\||Device|==)' "$STATE/bench-collectives-shared.out" | cut -c1-300 | tail -n 300
+    { echo '```'; grep -E '^(#|\||Device|==|\(|mps)' "$STATE/bench-collectives-shared.out" | cut -c1-300 | tail -n 300
       echo '```'; } >"$STEP_SHOW"
   done
-  echo "t3d-bench collectives --device cuda --nproc 2 and 4 --backends t3d --max 16M (ranks sharing GPUs;" \
-       "T3D_CUDA_PATH=ipc, with either T3D_CUDA_IPC_WAIT at 2 ranks, and staged)" >"$STEP_DETAIL"
-  # The paths side by side (microseconds per call), ahead of the full tables.
-  "$PY" - "$STATE" >"$STATE/shared-summary.md" <<'PYEOF' || true
+  mps_stop | tee -a "$STATE/bench-collectives-shared.out"
+  echo "t3d-bench collectives --device cuda --backends t3d --ops $ops --max 16M, ranks sharing a GPU:" \
+       "$runs (ranks:T3D_CUDA_PATH:T3D_CUDA_IPC_WAIT[:under MPS])" >"$STEP_DETAIL"
+  # The runs side by side (microseconds per call), ahead of the full tables.
+  "$PY" - "$STATE" $runs >"$STATE/shared-summary.md" <<'PYEOF' || true
 import json, os, sys
-state = sys.argv[1]
-runs = [("2", "ipc", "device"), ("2", "ipc", "host"), ("2", "staged", "device"), ("4", "ipc", "device"),
-        ("4", "staged", "device")]
-rows = {}
-for n, path, wait in runs:
-    f = os.path.join(state, f"bench-collectives-shared-{n}-{path}-{wait}", f"collectives-cuda-{n}ranks.json")
+state, runs = sys.argv[1], [tuple((r + ":").split(":")[:4]) for r in sys.argv[2:]]
+rows, have = {}, []
+for n, path, wait, mps in runs:
+    tag = f"{n}-{path}-{wait}" + ("-mps" if mps else "")
+    f = os.path.join(state, f"bench-collectives-shared-{tag}", f"collectives-cuda-{n}ranks.json")
     if not os.path.exists(f):
         continue
+    have.append((n, path, wait, mps))
     for r in json.load(open(f))["results"].get("t3d", []):
-        rows.setdefault((r["op"], r["bytes"]), {})[(n, path, wait)] = r["time_us"]
+        rows.setdefault((r["op"], r["bytes"]), {})[have[-1]] = r["time_us"]
 if rows:
-    have = [k for k in runs if any(k in v for v in rows.values())]
-    names = [f"{n} ranks {path}" + (" (host waits)" if wait == "host" else "") for n, path, wait in have]
+    names = [f"{n} ranks {path}" + (" host waits" if wait == "host" else "") + (" MPS" if mps else "")
+             for n, path, wait, mps in have]
     print("| op | bytes | " + " | ".join(names) + " |")
     print("|---|---:|" + "---:|" * len(have))
     for (op, b), v in sorted(rows.items()):
-        if b in (8, 8192, 32768, 524288, 2097152, 16777216):
-            print(f"| {op} | {b} | " + " | ".join(f"{v[k]:.1f}" if k in v else "-" for k in have) + " |")
+        print(f"| {op} | {b} | " + " | ".join(f"{v[k]:.1f}" if k in v else "-" for k in have) + " |")
 PYEOF
   if [ -s "$STATE/shared-summary.md" ]; then
-    { echo "Microseconds per call, each path at every size (T3D_CUDA_IPC_MIN_BYTES=0):"; echo
+    { echo "Microseconds per call, each run at every size (T3D_CUDA_IPC_MIN_BYTES=0):"; echo
       cat "$STATE/shared-summary.md"; echo; cat "$STEP_SHOW"; } >"$STEP_SHOW.tmp" && mv "$STEP_SHOW.tmp" "$STEP_SHOW"
   fi
 }
@@ -599,7 +628,7 @@ step_ctest() {
 export -f cores step_env step_kit cmake_args step_configure step_build step_build_nowerror step_stage py_env step_nccl \
   crash_preload symbolize_crash \
   pytest_step step_pytest_cuda step_pytest_attention step_bench step_bench_collectives step_train_cuda \
-  step_bench_collectives_shared step_ctest
+  step_bench_collectives_shared mps_start mps_stop step_ctest
 export NCCL_WHEEL_NAME
 
 run_step env 120 step_env
