@@ -574,7 +574,8 @@ step_bench_collectives_shared() {
       echo "(MPS did not start: run skipped)" | tee -a "$STATE/bench-collectives-shared.out"
       continue
     fi
-    if [ -z "$mps" ] && [ -n "${CUDA_MPS_PIPE_DIRECTORY:-}" ]; then mps_stop | tee -a "$STATE/bench-collectives-shared.out"; fi
+    # (mps_stop in this shell, not in a pipeline's subshell: it unsets the pipe directory the runs inherit)
+    if [ -z "$mps" ] && [ -n "${CUDA_MPS_PIPE_DIRECTORY:-}" ]; then mps_stop >>"$STATE/bench-collectives-shared.out"; fi
     T3D_CUDA_PATH=$path T3D_CUDA_IPC_MIN_BYTES=0 T3D_CUDA_IPC_WAIT=$wait "$PY" -m t3d.bench collectives \
       --device cuda --nproc "$n" --backends t3d --ops "$ops" --max 16M \
       --out "$STATE/bench-collectives-shared-$tag" --timeout 120 | tee -a "$STATE/bench-collectives-shared.out" \
@@ -583,7 +584,7 @@ step_bench_collectives_shared() {
     { echo '```'; grep -E '^(#|\||Device|==|\(|mps)' "$STATE/bench-collectives-shared.out" | cut -c1-300 | tail -n 300
       echo '```'; } >"$STEP_SHOW"
   done
-  mps_stop | tee -a "$STATE/bench-collectives-shared.out"
+  mps_stop >>"$STATE/bench-collectives-shared.out"
   echo "t3d-bench collectives --device cuda --backends t3d --ops $ops --max 16M, ranks sharing a GPU:" \
        "$runs (ranks:T3D_CUDA_PATH:T3D_CUDA_IPC_WAIT[:under MPS])" >"$STEP_DETAIL"
   # The runs side by side (microseconds per call), ahead of the full tables.
