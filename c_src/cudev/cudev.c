@@ -2,7 +2,9 @@
  * such a group stages through host memory: the device copies each input into a host buffer on the caller's stream,
  * the host provider (shared memory) runs the collective or the transfer, and the device copies the result back on
  * the same stream. The request completes once the copy back has finished, so the stream's later work sees the
- * result (the shim records its end event after completion).
+ * result (the shim records its end event after completion). Collectives of T3D_CUDA_IPC_MIN_BYTES or more take the
+ * device path instead (ipc.c: the device reads the peers' buffers through CUDA IPC), unless T3D_CUDA_PATH=staged;
+ * where IPC fails, T3D_CUDA_PATH=auto stages them too and T3D_CUDA_PATH=ipc fails them.
  *
  * Which path a group takes (T3D_CUDA_PATH=auto) is found at its first CUDA call: each rank publishes its device's
  * identity (host and PCI bus id) in the store, and a collective is staged when two of the group's ranks share a
@@ -155,7 +157,8 @@ static int group_route(t3d_comm_t *comm, t3d_cudev_t *st, int device) {
   }
   st->route = shared ? ROUTE_STAGED : ROUTE_NCCL;
   T3D_INFO("group '%s' rank %d: CUDA tensors go %s", comm->name, comm->rank,
-           shared ? "staged through host memory (ranks share a device)" : "through NCCL (a device per rank)");
+           shared ? "through t3d's same-device paths (ranks share a device; under MPS a call costs several times less)"
+                  : "through NCCL (a device per rank)");
   return st->route;
 }
 
@@ -337,16 +340,19 @@ static t3d_result_t cudev_run(t3d_exec_t *ex, t3d_request_t *r, t3d_result_t (*h
   t3d_cudev_t *st = comm->cudev;
   char why[700] = "";
   t3d_result_t res = T3D_OK;
+  const char *route = "staged";
   const t3d_cudart_api_t *api = device_api(r->device, why, sizeof why);
   if (api == NULL) {
     res = T3D_ERR_UNSUPPORTED;
     goto out;
   }
-  if (st->path == PATH_IPC && t3d__cudev_ipc_takes(r, ex->size)) {
+  if (st->path != PATH_STAGED && t3d__cudev_ipc_takes(r, ex->size)) {
     int staged = 0;
-    res = t3d__cudev_ipc_run(ex, r, &st->ipc, api, host, &staged, why, sizeof why);
+    res = t3d__cudev_ipc_run(ex, r, &st->ipc, api, host, st->path == PATH_IPC, &staged, why, sizeof why);
     if (res != T3D_OK && why[0] == '\0') return res; /* the host provider wrote ex->error */
+    route = "device path";
     if (res != T3D_OK || !staged) goto out;
+    route = "staged";
   }
   layout_t l = layout_of(r, ex->rank, ex->size);
   size_t out_at = (l.in + 63) & ~(size_t)63; /* the host input at the buffer's start, the output after it */
@@ -393,7 +399,7 @@ out:
   if (res != T3D_OK) {
     snprintf(ex->error, sizeof ex->error, "t3d: %s #%llu on group '%s' (rank %d of %d, CUDA device %d, %s): %s",
              ex->opname, (unsigned long long)ex->seq, comm->name, ex->rank, ex->size, r->device,
-             st->path == PATH_IPC ? "device path" : "staged", why);
+             route, why);
   }
   return res;
 }

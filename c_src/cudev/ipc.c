@@ -14,6 +14,12 @@
  *      order, so that all ranks compute the same bytes.
  *   F. S records `done`. The request completes now: the rest happens in stream order, as with NCCL.
  *
+ * Where IPC does not work (events or buffers that cannot be made, published or mapped: a runtime or a container
+ * that refuses them), the rank that met the failure says so in its next meta (at A, or in a second exchange after
+ * A when something new was mapped) and every rank turns the device path off for the communicator: with
+ * T3D_CUDA_PATH=auto its collectives are staged from then on (rank 0 logs why, once); with T3D_CUDA_PATH=ipc the
+ * collective fails on every rank with the failing rank's words.
+ *
  * With T3D_CUDA_IPC_WAIT=host the waits of B and E are this thread's polls of the events instead of the stream's, so
  * that no stream waits on another process's (whether that is what costs on a shared GPU is for a GPU run to say).
  *
@@ -50,11 +56,12 @@ static int get_kernels(t3d_cuda_kernels_t *out) {
 
 /* What each rank tells the others at step A. */
 typedef struct {
-  int64_t gen;  /* of its buffer: a new one gets a new handle */
-  int64_t need; /* bytes it copies into its buffer in this collective */
-  int64_t ok;   /* it can run this collective on the device */
-  int64_t pad;
+  int64_t gen;    /* of its buffer: a new one gets a new handle */
+  int64_t need;   /* bytes it copies into its buffer in this collective */
+  int64_t ok;     /* it can run this collective on the device */
+  int64_t broken; /* IPC failed on it (why says how): the device path goes off for the communicator */
   t3d_cuda_ipc_handle_t buf, copied, done;
+  char why[192];
 } meta_t;
 
 typedef struct {
@@ -65,6 +72,8 @@ typedef struct {
 struct t3d_cudev_ipc {
   int n, rank;
   int host_waits; /* T3D_CUDA_IPC_WAIT=host (read once, at setup) */
+  int off;        /* the ranks agreed that IPC fails on some of them: every collective is staged */
+  int opened;     /* the peers' events are open */
   /* this rank's */
   void *buf;
   size_t cap;
@@ -74,6 +83,7 @@ struct t3d_cudev_ipc {
   /* the peers' (index: rank; this rank's own entries point at its own buffer) */
   void **peer_buf;
   int64_t *peer_gen;
+  int64_t *seen_gen; /* every rank's buffer generation at the last mapping (the same on every rank) */
   void **peer_copied, **peer_done;
   meta_t *metas;
   size_t *counts, *displs; /* of the meta allgather */
@@ -130,6 +140,7 @@ void t3d__cudev_ipc_free(t3d_cudev_ipc_t *s) {
   }
   free(s->peer_buf);
   free(s->peer_gen);
+  free(s->seen_gen);
   free(s->peer_copied);
   free(s->peer_done);
   free(s->metas);
@@ -145,6 +156,14 @@ static const char *cuda_text(const t3d_cudart_api_t *api, t3d_cuda_error_t e) {
   return s != NULL ? s : "unknown CUDA error";
 }
 
+/* Records that IPC failed on this rank (the first failure's words), for the next meta. */
+static void broke(t3d_cudev_ipc_t *s, const t3d_cudart_api_t *api, const char *what, t3d_cuda_error_t e) {
+  if (s->mine.broken) return;
+  s->mine.broken = 1;
+  snprintf(s->mine.why, sizeof s->mine.why, "%s failed: %s", what, e == T3D_CUDA_SUCCESS ? "out of host memory"
+                                                                   : cuda_text(api, e));
+}
+
 #define CUDA_OR_FAIL(call, what)                                                                     \
   do {                                                                                               \
     t3d_cuda_error_t e_ = (call);                                                                    \
@@ -155,7 +174,8 @@ static const char *cuda_text(const t3d_cudart_api_t *api, t3d_cuda_error_t e) {
     }                                                                                                \
   } while (0)
 
-/* The state and this rank's two events, at the communicator's first device-path collective. */
+/* The state and this rank's two events, at the communicator's first device-path collective (a CUDA failure is
+ * recorded for step A: the state is made all the same). */
 static t3d_result_t setup(t3d_cudev_ipc_t **out, const t3d_cudart_api_t *api, int rank, int n, char *err,
                           size_t errlen) {
   t3d_cudev_ipc_t *s = calloc(1, sizeof *s);
@@ -166,13 +186,14 @@ static t3d_result_t setup(t3d_cudev_ipc_t **out, const t3d_cudart_api_t *api, in
   s->host_waits = strcmp(t3d__param_str(T3D_PARAM_CUDA_IPC_WAIT), "host") == 0;
   s->peer_buf = calloc((size_t)n, sizeof *s->peer_buf);
   s->peer_gen = calloc((size_t)n, sizeof *s->peer_gen);
+  s->seen_gen = calloc((size_t)n, sizeof *s->seen_gen);
   s->peer_copied = calloc((size_t)n, sizeof *s->peer_copied);
   s->peer_done = calloc((size_t)n, sizeof *s->peer_done);
   s->metas = calloc((size_t)n, sizeof *s->metas);
   s->counts = calloc((size_t)n, sizeof *s->counts);
   s->displs = calloc((size_t)n, sizeof *s->displs);
   s->srcs = calloc((size_t)n, sizeof *s->srcs);
-  if (!s->peer_buf || !s->peer_gen || !s->peer_copied || !s->peer_done || !s->metas || !s->counts || !s->displs ||
+  if (!s->peer_buf || !s->peer_gen || !s->seen_gen || !s->peer_copied || !s->peer_done || !s->metas || !s->counts || !s->displs ||
       !s->srcs) {
     goto oom;
   }
@@ -181,10 +202,14 @@ static t3d_result_t setup(t3d_cudev_ipc_t **out, const t3d_cudart_api_t *api, in
     s->displs[p] = (size_t)p * sizeof(meta_t);
   }
   const unsigned flags = T3D_CUDA_EVENT_DISABLE_TIMING | T3D_CUDA_EVENT_INTERPROCESS;
-  CUDA_OR_FAIL(api->EventCreateWithFlags(&s->ev_copied, flags), "cudaEventCreateWithFlags");
-  CUDA_OR_FAIL(api->EventCreateWithFlags(&s->ev_done, flags), "cudaEventCreateWithFlags");
-  CUDA_OR_FAIL(api->IpcGetEventHandle(&s->mine.copied, s->ev_copied), "cudaIpcGetEventHandle");
-  CUDA_OR_FAIL(api->IpcGetEventHandle(&s->mine.done, s->ev_done), "cudaIpcGetEventHandle");
+  t3d_cuda_error_t e;
+  if ((e = api->EventCreateWithFlags(&s->ev_copied, flags)) != T3D_CUDA_SUCCESS ||
+      (e = api->EventCreateWithFlags(&s->ev_done, flags)) != T3D_CUDA_SUCCESS) {
+    broke(s, api, "cudaEventCreateWithFlags (interprocess)", e);
+  } else if ((e = api->IpcGetEventHandle(&s->mine.copied, s->ev_copied)) != T3D_CUDA_SUCCESS ||
+             (e = api->IpcGetEventHandle(&s->mine.done, s->ev_done)) != T3D_CUDA_SUCCESS) {
+    broke(s, api, "cudaIpcGetEventHandle", e);
+  }
   return T3D_OK;
 oom:
   snprintf(err, errlen, "out of host memory");
@@ -199,9 +224,11 @@ static int grow(t3d_cudev_ipc_t *s, const t3d_cudart_api_t *api, size_t need) {
   while (cap < need) cap *= 2;
   void *p = NULL;
   t3d_cuda_ipc_handle_t h;
-  if (api->Malloc(&p, cap) != T3D_CUDA_SUCCESS || p == NULL) return 0;
-  if (api->IpcGetMemHandle(&h, p) != T3D_CUDA_SUCCESS || !hold(s, s->buf, 0)) {
+  if (api->Malloc(&p, cap) != T3D_CUDA_SUCCESS || p == NULL) return 0; /* no room now: staged this time */
+  t3d_cuda_error_t e = api->IpcGetMemHandle(&h, p);
+  if (e != T3D_CUDA_SUCCESS || !hold(s, s->buf, 0)) {
     api->Free(p);
+    broke(s, api, "cudaIpcGetMemHandle", e);
     return 0;
   }
   s->buf = p;
@@ -212,31 +239,48 @@ static int grow(t3d_cudev_ipc_t *s, const t3d_cudart_api_t *api, size_t need) {
   return 1;
 }
 
-/* After step A: maps what peers published that is new (a bigger buffer, their events the first time). */
-static t3d_result_t open_peers(t3d_cudev_ipc_t *s, const t3d_cudart_api_t *api, char *err, size_t errlen) {
+/* After step A: maps what peers published that is new (a bigger buffer, their events the first time). A failure
+ * is recorded (broke) for the exchange that follows. Whether anything is new is the same on every rank. */
+static int anything_new(const t3d_cudev_ipc_t *s) {
+  if (!s->opened) return 1;
+  for (int p = 0; p < s->n; p++) {
+    if (s->metas[p].gen != s->seen_gen[p]) return 1;
+  }
+  return 0;
+}
+
+static void open_peers(t3d_cudev_ipc_t *s, const t3d_cudart_api_t *api) {
   for (int p = 0; p < s->n; p++) {
     const meta_t *m = &s->metas[p];
+    s->seen_gen[p] = m->gen;
     if (p == s->rank) {
       s->peer_buf[p] = s->buf;
       continue;
     }
+    t3d_cuda_error_t e;
     if (s->peer_copied[p] == NULL) {
-      CUDA_OR_FAIL(api->IpcOpenEventHandle(&s->peer_copied[p], m->copied), "cudaIpcOpenEventHandle");
-      CUDA_OR_FAIL(api->IpcOpenEventHandle(&s->peer_done[p], m->done), "cudaIpcOpenEventHandle");
+      if ((e = api->IpcOpenEventHandle(&s->peer_copied[p], m->copied)) != T3D_CUDA_SUCCESS ||
+          (e = api->IpcOpenEventHandle(&s->peer_done[p], m->done)) != T3D_CUDA_SUCCESS) {
+        broke(s, api, "cudaIpcOpenEventHandle", e);
+        return;
+      }
     }
     if (m->gen != s->peer_gen[p] && m->gen > 0) {
       void *ptr = NULL;
-      CUDA_OR_FAIL(api->IpcOpenMemHandle(&ptr, m->buf, T3D_CUDA_IPC_LAZY_PEER_ACCESS), "cudaIpcOpenMemHandle");
+      if ((e = api->IpcOpenMemHandle(&ptr, m->buf, T3D_CUDA_IPC_LAZY_PEER_ACCESS)) != T3D_CUDA_SUCCESS) {
+        broke(s, api, "cudaIpcOpenMemHandle", e);
+        return;
+      }
       if (!hold(s, s->peer_buf[p], 1)) {
         api->IpcCloseMemHandle(ptr);
-        snprintf(err, errlen, "out of host memory");
-        return T3D_ERR_NO_MEMORY;
+        broke(s, api, "keeping a peer's old mapping", T3D_CUDA_SUCCESS);
+        return;
       }
       s->peer_buf[p] = ptr;
       s->peer_gen[p] = m->gen;
     }
   }
-  return T3D_OK;
+  s->opened = 1;
 }
 
 /* The bytes a collective moves as every rank counts them alike (alltoallv: from its receive counts, equal on every
@@ -379,13 +423,37 @@ static t3d_result_t host_op(t3d_exec_t *ex, const t3d_request_t *r, t3d_op_kind_
   return host(ex, &h);
 }
 
+/* After an exchange of metas: when some rank says IPC failed on it, the device path goes off for the communicator
+ * (the same decision on every rank). With strict (T3D_CUDA_PATH=ipc) that fails the collective with the failing
+ * rank's words; otherwise it is staged, and so is every later one. */
+static t3d_result_t check_broken(t3d_cudev_ipc_t *s, const t3d_exec_t *ex, int strict, int *staged, char *err,
+                                 size_t errlen) {
+  for (int p = 0; p < s->n; p++) {
+    const meta_t *m = &s->metas[p];
+    if (!m->broken) continue;
+    s->off = 1;
+    if (strict) {
+      snprintf(err, errlen, "CUDA IPC failed on rank %d: %.*s (T3D_CUDA_PATH=staged avoids the device path)", p,
+               (int)sizeof m->why, m->why);
+      return T3D_ERR_TRANSPORT;
+    }
+    if (s->rank == 0) {
+      T3D_WARN("t3d: group '%s': CUDA IPC failed on rank %d (%.*s), so the collectives of its ranks that share a "
+               "GPU are staged through host memory from now on", ex->comm->name, p, (int)sizeof m->why, m->why);
+    }
+    *staged = 1;
+    return T3D_OK;
+  }
+  return T3D_OK;
+}
+
 t3d_result_t t3d__cudev_ipc_run(t3d_exec_t *ex, t3d_request_t *r, t3d_cudev_ipc_t **state,
                                 const t3d_cudart_api_t *api, t3d_result_t (*host)(t3d_exec_t *, t3d_request_t *),
-                                int *staged, char *err, size_t errlen) {
+                                int strict, int *staged, char *err, size_t errlen) {
   const int n = ex->size, me = ex->rank;
   *staged = 0;
-  if (n > IPC_MAX_RANKS) {
-    *staged = 1; /* every rank sees the same size */
+  if (n > IPC_MAX_RANKS || (*state != NULL && (*state)->off)) {
+    *staged = 1; /* every rank sees the same size, and turned the path off at the same call */
     return T3D_OK;
   }
   t3d_result_t res;
@@ -397,10 +465,10 @@ t3d_result_t t3d__cudev_ipc_run(t3d_exec_t *ex, t3d_request_t *r, t3d_cudev_ipc_
   int reduces = r->kind == T3D_OP_ALLREDUCE || r->kind == T3D_OP_REDUCE_SCATTERV;
   int have = get_kernels(&k);
   if (reduces && !have && !atomic_exchange(&warned_no_kernels, 1)) {
-    T3D_WARN("t3d: T3D_CUDA_PATH=ipc: no device reduction is registered (t3d._C_cuda registers it when it loads), "
-             "so reducing collectives of ranks that share a GPU are staged through host memory");
+    T3D_WARN("t3d: no device reduction is registered (t3d._C_cuda registers it when it loads), so reducing "
+             "collectives of ranks that share a GPU are staged through host memory");
   }
-  int ok = !reduces || (have && k.reduce_supported(r->dtype, r->op));
+  int ok = !s->mine.broken && (!reduces || (have && k.reduce_supported(r->dtype, r->op)));
   if (r->kind == T3D_OP_ALLTOALLV) ok = ok && r->equal_blocks && moved_bytes(r, n) >= min_bytes();
   const void *src = NULL;
   size_t need = input_of(r, me, n, &src);
@@ -410,13 +478,19 @@ t3d_result_t t3d__cudev_ipc_run(t3d_exec_t *ex, t3d_request_t *r, t3d_cudev_ipc_
 
   /* A */
   if ((res = host_op(ex, r, T3D_OP_ALLGATHERV, s, host)) != T3D_OK) return res;
+  if ((res = check_broken(s, ex, strict, staged, err, errlen)) != T3D_OK || *staged) return res;
   for (int p = 0; p < n; p++) {
     if (!s->metas[p].ok) {
       *staged = 1;
       return T3D_OK;
     }
   }
-  if ((res = open_peers(s, api, err, errlen)) != T3D_OK) return res;
+  if (anything_new(s)) {
+    /* Mapping may fail on some ranks only: they say so in a second exchange before anyone relies on it. */
+    open_peers(s, api);
+    if ((res = host_op(ex, r, T3D_OP_ALLGATHERV, s, host)) != T3D_OK) return res;
+    if ((res = check_broken(s, ex, strict, staged, err, errlen)) != T3D_OK || *staged) return res;
+  }
   /* B, C */
   if (need > 0) {
     if ((res = wait_peers(ex, s, api, s->peer_done, 0, r->stream, err, errlen)) != T3D_OK) return res;

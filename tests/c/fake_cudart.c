@@ -241,7 +241,7 @@ static void *from_handle(const handle_t *h) {
 }
 
 int cudaIpcGetMemHandle(handle_t *h, void *p) {
-  if (p == NULL) return INVALID_VALUE;
+  if (p == NULL || injected("cudaIpcGetMemHandle", NULL) != SUCCESS) return INVALID_VALUE;
   to_handle(h, p);
   return SUCCESS;
 }
@@ -263,6 +263,7 @@ int cudaIpcCloseMemHandle(void *p) {
 
 int cudaEventCreateWithFlags(void **ev, unsigned flags) {
   (void)flags;
+  if (injected("cudaEventCreateWithFlags", NULL) != SUCCESS) return INVALID_VALUE;
   event_t *e = calloc(1, sizeof *e);
   if (e == NULL) return MEMORY_ALLOCATION;
   e->refs = 1;
@@ -311,12 +312,13 @@ int cudaEventQuery(void *ev) {
 }
 
 int cudaIpcGetEventHandle(handle_t *h, void *ev) {
-  if (ev == NULL) return INVALID_VALUE;
+  if (ev == NULL || injected("cudaIpcGetEventHandle", NULL) != SUCCESS) return INVALID_VALUE;
   to_handle(h, ev);
   return SUCCESS;
 }
 
 int cudaIpcOpenEventHandle(void **ev, handle_t h) {
+  if (injected("cudaIpcOpenEventHandle", NULL) != SUCCESS) return INVALID_VALUE;
   *ev = from_handle(&h);
   if (*ev == NULL) return INVALID_VALUE;
   pthread_mutex_lock(&mu);
@@ -401,7 +403,8 @@ long fake_cudart_copies_on(void *stream) {
   return n;
 }
 
-/* The next call of fn ("cudaMemcpyAsync" or "cudaStreamQuery") on stream fails with err. */
+/* The next call of fn on stream fails with err (cudaMemcpyAsync, cudaStreamQuery), or the next call of fn by any
+ * thread (stream NULL: cudaMalloc and the IPC and event calls, which fail with cudaErrorInvalidValue). */
 void fake_cudart_fail_next(const char *fn, void *stream, int err) {
   pthread_mutex_lock(&mu);
   snprintf(fail_fn, sizeof fail_fn, "%s", fn);

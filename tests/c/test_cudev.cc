@@ -764,6 +764,65 @@ TEST(CudevIpc, FailedMappingSaysWhy) {
   }, ro);
 }
 
+// T3D_CUDA_PATH=auto (the default) runs the collectives of ranks that share a device on the device path from
+// T3D_CUDA_IPC_MIN_BYTES on; T3D_CUDA_PATH=staged keeps every one of them on the host.
+TEST(CudevIpc, AutoTakesTheDevicePathStagedDoesNot) {
+  if (NoRuntime()) GTEST_SKIP() << "no CUDA runtime in this run";
+  Kernels k(true);
+  const size_t count = 300000; // 1.2 MB: past the default 1 MiB
+  for (const char *name : {"auto", "staged"}) {
+    CudaPath path(name);
+    const bool device = std::string(name) == "auto";
+    const Counters before = Counters::Now();
+    RunRanks(2, [&](int rank, t3d_comm_t *comm) {
+      const Buf in = Filled(T3D_FLOAT32, rank, count);
+      const std::string what = std::string("T3D_CUDA_PATH=") + name + " allreduce";
+      const IssueInto issue = [&](const t3d_opts_t *o, unsigned char *out, t3d_request_t **r) {
+        return t3d_allreduce(comm, in.data(), out, count, T3D_FLOAT32, T3D_SUM, o, r);
+      };
+      if (device) CheckIpc(comm, rank, T3D_FLOAT32, what, Buf(in.size(), 0), issue);
+      else Check(comm, rank, 0, T3D_FLOAT32, what, Buf(in.size(), 0), issue);
+    });
+    const Counters after = Counters::Now();
+    EXPECT_EQ(device, after.d2d > before.d2d) << name;
+    EXPECT_EQ(!device, after.h2d > before.h2d) << name;
+  }
+}
+
+// Where CUDA IPC fails on one rank (an event, a handle or a mapping that its runtime refuses), T3D_CUDA_PATH=auto
+// stages that collective and every later one of the communicator, on every rank alike, with the right bytes (Check:
+// complete means done, as staged), and releases what it had made.
+class IpcFails : public ::testing::TestWithParam<const char *> {};
+
+TEST_P(IpcFails, AutoStagesFromThenOn) {
+  if (NoRuntime()) GTEST_SKIP() << "no CUDA runtime in this run";
+  CudaPath path("auto");
+  EnvScope every_size("T3D_CUDA_IPC_MIN_BYTES", "0");
+  Kernels k(true);
+  const Counters before = Counters::Now();
+  RunRanks(3, [&](int rank, t3d_comm_t *comm) {
+    if (rank == 1) Cudart().fail_next(GetParam(), nullptr, 1); // the next such call, on whichever rank
+    if (!HostBarrier()) return;
+    for (size_t count : {size_t(100), size_t(5000), size_t(7)}) {
+      const Buf in = Filled(T3D_FLOAT32, rank, count);
+      Check(comm, rank, 0, T3D_FLOAT32, "allreduce of " + std::to_string(count) + " after " + GetParam() + " failed",
+            Buf(in.size(), 0), [&](const t3d_opts_t *o, unsigned char *out, t3d_request_t **r) {
+              return t3d_allreduce(comm, in.data(), out, count, T3D_FLOAT32, T3D_SUM, o, r);
+            });
+      if (::testing::Test::HasFailure()) return;
+    }
+  });
+  const Counters after = Counters::Now();
+  EXPECT_GT(after.h2d, before.h2d) << "staged collectives copy through host memory";
+  EXPECT_EQ(before.device, after.device) << "device buffers must be freed with their communicator";
+  EXPECT_EQ(before.ipc, after.ipc) << "IPC mappings must be closed with their communicator";
+  EXPECT_EQ(before.events, after.events) << "events must be destroyed with their communicator";
+}
+
+INSTANTIATE_TEST_SUITE_P(Calls, IpcFails,
+                         ::testing::Values("cudaEventCreateWithFlags", "cudaIpcGetEventHandle", "cudaIpcGetMemHandle",
+                                           "cudaIpcOpenEventHandle", "cudaIpcOpenMemHandle"));
+
 // Without a CUDA runtime (test_cudev_no_runtime): ranks that share a device cannot be told apart, so NCCL gets the
 // call (and says what it thinks); T3D_CUDA_PATH=staged fails with the loader's words instead of crashing.
 TEST(CudevNoRuntime, FallsBackOrSaysWhy) {

@@ -319,8 +319,9 @@ SHARED_CASES = GPU_CASES + [_p2p, _fsdp1, _fsdp2_and_tp, _cp_t3d_against_torch]
 @pytest.mark.parametrize("ws", [2, 4])
 @pytest.mark.parametrize("fn", SHARED_CASES, ids=lambda f: f.__name__.strip("_"))
 def test_ranks_sharing_a_gpu(fn, ws):
-    """More ranks than GPUs (rank r on GPU r % count): NCCL refuses such a group, so t3d stages its CUDA tensors
-    through host memory (c_src/cudev/), in stream order."""
+    """More ranks than GPUs (rank r on GPU r % count): NCCL refuses such a group, so t3d moves its CUDA tensors
+    itself (c_src/cudev/), in stream order: with the default T3D_CUDA_PATH=auto these cases' tensors, all under
+    T3D_CUDA_IPC_MIN_BYTES, are staged through host memory."""
     assert _dist.run_world(fn, ws, timeout=300) == [True] * ws
 
 
@@ -338,6 +339,45 @@ def test_ranks_sharing_a_gpu_device_path(fn, ws, monkeypatch):
     monkeypatch.setenv("T3D_CUDA_PATH", "ipc")
     monkeypatch.setenv("T3D_CUDA_IPC_MIN_BYTES", "0")
     assert _dist.run_world(fn, ws, timeout=300) == [True] * ws
+
+
+def _large_collectives(rank, ws):
+    """Collectives of 4 MiB and more, which the default T3D_CUDA_PATH=auto runs on the device path when ranks
+    share a GPU, each followed on the same stream by work that reads the result."""
+    import torch.distributed as dist
+    dev = _dev(rank)
+    n = 1 << 20  # float32: 4 MiB
+    base = torch.arange(n, dtype=torch.float32, device=dev) % 1000
+    for _ in range(3):  # back to back: each reuses the buffers the last one's peers read
+        t = base + rank
+        dist.all_reduce(t)
+        assert torch.equal(t, base * ws + sum(range(ws))), "all_reduce SUM"
+    t = (base + rank).bfloat16()
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    assert torch.equal(t.float(), (base + ws - 1).bfloat16().float()), "all_reduce MAX bf16"
+    t = base + rank
+    dist.broadcast(t, src=ws - 1)
+    assert torch.equal(t, base + ws - 1), "broadcast"
+    out = torch.empty(ws * n, device=dev)
+    dist.all_gather_into_tensor(out, base + rank)
+    assert torch.equal(out, torch.cat([base + r for r in range(ws)])), "all_gather_into_tensor"
+    inp = torch.cat([base + 10 * r + rank for r in range(ws)])
+    out = torch.empty(n, device=dev)
+    dist.reduce_scatter_tensor(out, inp)
+    assert torch.equal(out, ws * (base + 10 * rank) + sum(range(ws))), "reduce_scatter_tensor"
+    inp = torch.cat([torch.full((n // ws,), float(100 * rank + r), device=dev) for r in range(ws)])
+    out = torch.empty(n // ws * ws, device=dev)
+    dist.all_to_all_single(out, inp)
+    want = torch.cat([torch.full((n // ws,), float(100 * r + rank), device=dev) for r in range(ws)])
+    assert torch.equal(out, want), "all_to_all_single"
+    return True
+
+
+@NEEDS_GPU
+@pytest.mark.parametrize("ws", [2, 8])
+def test_ranks_sharing_a_gpu_default_path_large_tensors(ws):
+    """The default path (T3D_CUDA_PATH=auto) with tensors past T3D_CUDA_IPC_MIN_BYTES: the device path."""
+    assert _dist.run_world(_large_collectives, ws, timeout=300) == [True] * ws
 
 
 @NEEDS_GPU

@@ -33,9 +33,9 @@ def _train(tmp_path, name, dp, tp, cp, extra_env=None):
         return [r["loss"] for r in json.load(f)["records"]]
 
 
-# staged: through host memory (T3D_CUDA_PATH=auto's choice for ranks that share a GPU); ipc: the device path at
-# every size (c_src/cudev/ipc.c).
-PATHS = {"staged": {}, "ipc": {"T3D_CUDA_PATH": "ipc", "T3D_CUDA_IPC_MIN_BYTES": "0"}}
+# staged: every collective through host memory; ipc: every one on the device (c_src/cudev/ipc.c). The default
+# (auto) mixes the two by size.
+PATHS = {"staged": {"T3D_CUDA_PATH": "staged"}, "ipc": {"T3D_CUDA_PATH": "ipc", "T3D_CUDA_IPC_MIN_BYTES": "0"}}
 
 
 @pytest.mark.parametrize("path", list(PATHS))

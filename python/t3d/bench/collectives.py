@@ -647,14 +647,17 @@ def run(args) -> int:
 
         gpus = min(n, torch.cuda.device_count())
         results["_device"] = f"{gpus} x {torch.cuda.get_device_name()}"
-        if gpus < n:  # t3d only (cuda_refusal): its staged path
-            how = "staged through host memory"
-            if os.environ.get("T3D_CUDA_PATH") == "ipc":
+        if gpus < n:  # t3d only (cuda_refusal): its same-device paths
+            path = os.environ.get("T3D_CUDA_PATH") or "auto"
+            how = f"staged through host memory (T3D_CUDA_PATH={path})"
+            if path in ("auto", "ipc"):
                 floor = os.environ.get("T3D_CUDA_IPC_MIN_BYTES") or "1048576"
-                how = (f"on the device through CUDA IPC (T3D_CUDA_PATH=ipc) from {floor} bytes, staged below"
-                       if floor != "0" else "on the device through CUDA IPC (T3D_CUDA_PATH=ipc) at every size")
+                how = (f"on the device through CUDA IPC (T3D_CUDA_PATH={path}) from {floor} bytes, staged below"
+                       if floor != "0" else f"on the device through CUDA IPC (T3D_CUDA_PATH={path}) at every size")
                 if os.environ.get("T3D_CUDA_IPC_WAIT") == "host":
                     how += ", peers' events polled by the host (T3D_CUDA_IPC_WAIT=host)"
+            if os.environ.get("CUDA_MPS_PIPE_DIRECTORY"):
+                how += f", under MPS (CUDA_MPS_PIPE_DIRECTORY={os.environ['CUDA_MPS_PIPE_DIRECTORY']})"
             results["_gpu_layout"] = f"{n} ranks on {gpus} GPU(s), {how}"
     known = ("t3d", "t3d-mem", "gloo", "mpi") if device == "cpu" else ("t3d", "nccl", "gloo")
     backends = []
