@@ -491,9 +491,10 @@ pytest_step() {  # pytest args...: fails unless something passed and nothing fai
   # T3D_GPU_CHECK_PYTEST_K: a -k expression (one argument, spaces allowed) for every pytest step.
   local k=()
   [ -n "${T3D_GPU_CHECK_PYTEST_K:-}" ] && k=(-k "$T3D_GPU_CHECK_PYTEST_K")
-  # T3D_GPU_CHECK_PYTEST_WORKERS (3): pytest-xdist workers when the kit brought it (each test's ranks are processes
-  # of their own, with their own segments and file stores, so tests can run side by side); 1: one after another.
-  local workers="${T3D_GPU_CHECK_PYTEST_WORKERS:-3}"
+  # T3D_GPU_CHECK_PYTEST_WORKERS (4: on an H200 with 16 cores, 36 CUDA tests in 107 s): pytest-xdist workers when
+  # the kit brought it (each test's ranks are processes of their own, with their own segments and file stores, so
+  # tests can run side by side); 1: one after another.
+  local workers="${T3D_GPU_CHECK_PYTEST_WORKERS:-4}"
   if [ "$workers" -gt 1 ] && "$PY" -c 'import xdist' >/dev/null 2>&1; then k+=(-n "$workers"); fi
   # shellcheck disable=SC2086
   (cd "$ROOT" && "$PY" -m pytest -q -rs --durations=8 -p no:cacheprovider "$@" "${k[@]}" ${T3D_GPU_CHECK_PYTEST_ARGS:-}) 2>&1 | tee "$STATE/pytest.out" || rc=$?
