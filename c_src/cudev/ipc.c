@@ -21,7 +21,8 @@
  * collective fails on every rank with the failing rank's words.
  *
  * With T3D_CUDA_IPC_WAIT=host the waits of B and E are this thread's polls of the events instead of the stream's, so
- * that no stream waits on another process's (whether that is what costs on a shared GPU is for a GPU run to say).
+ * that no stream waits on another process's (on an H200 that was no faster: what a call costs there without MPS is
+ * the GPU's switches between the ranks' contexts).
  *
  * Why the events cannot be re-recorded too early: a peer records `copied` again only after its next A, which needs
  * this rank's next A, which comes after this rank's E; it records `done` again only after its next D, which needs
@@ -193,8 +194,8 @@ static t3d_result_t setup(t3d_cudev_ipc_t **out, const t3d_cudart_api_t *api, in
   s->counts = calloc((size_t)n, sizeof *s->counts);
   s->displs = calloc((size_t)n, sizeof *s->displs);
   s->srcs = calloc((size_t)n, sizeof *s->srcs);
-  if (!s->peer_buf || !s->peer_gen || !s->seen_gen || !s->peer_copied || !s->peer_done || !s->metas || !s->counts || !s->displs ||
-      !s->srcs) {
+  if (!s->peer_buf || !s->peer_gen || !s->seen_gen || !s->peer_copied || !s->peer_done || !s->metas ||
+      !s->counts || !s->displs || !s->srcs) {
     goto oom;
   }
   for (int p = 0; p < n; p++) {
