@@ -69,6 +69,9 @@ typedef struct t3d_provider {
   int (*progress)(t3d_comm_t *comm);
   int (*active)(t3d_comm_t *comm);
   void (*sleep)(t3d_comm_t *comm, const t3d_request_t *req, uint64_t max_ns);
+  /* Whether a waiter on posted point-to-point should spin rather than yield now: a peer is running on another CPU,
+   * so it is not queued behind the waiter (shm: the CPU words of as many ranks as cores). NULL: never. */
+  int (*peer_running)(t3d_comm_t *comm);
   /* This rank's operation broke the communicator (res, msg): tell the other ranks, so that their waits end with
    * this error instead of their timeouts (shm: a word in the segment every wait checks). NULL: they cannot be told. */
   void (*broken)(t3d_comm_t *comm, t3d_result_t res, const char *msg);

@@ -180,6 +180,8 @@ int t3d__backoff_poll(t3d_backoff_t *b);
  * behind it, so it pause-spins for T3D_SPIN_NS (5 us) even where the spin phase is skipped, then goes on as
  * t3d__backoff_poll. */
 int t3d__backoff_poll_running(t3d_backoff_t *b);
+/* The same for t3d_backoff_poll's callers (a time since the last progress instead of a t3d_backoff_t). */
+int t3d__backoff_poll_running_since(uint64_t *since);
 /* Nonzero when the spin phase is skipped: this host runs as many ranks as cores, or more. */
 int t3d__cores_filled(void);
 /* t3d__backoff_poll for waiters without a wake-up signal: past the yield phase, naps of ~20 us. */

@@ -36,10 +36,13 @@ t3d_request_t *t3d__request_keep(const t3d_request_t *prepared) {
 }
 
 t3d_result_t t3d__request_new(t3d_comm_t *comm, t3d_op_kind_t kind, const t3d_opts_t *opts, t3d_request_t **out) {
-  t3d_request_t tmp;
-  t3d__request_prepare(comm, kind, opts, &tmp);
-  *out = t3d__request_keep(&tmp);
-  if (*out == NULL) return t3d__set_error(comm, T3D_ERR_NO_MEMORY, "t3d: out of memory for a request");
+  /* Prepared where it lives (not on the stack, then copied: point-to-point makes one per call). */
+  t3d_request_t *r = malloc(sizeof *r);
+  *out = r;
+  if (r == NULL) return t3d__set_error(comm, T3D_ERR_NO_MEMORY, "t3d: out of memory for a request");
+  t3d__request_prepare(comm, kind, opts, r);
+  pthread_mutex_init(&r->mu, NULL);
+  pthread_cond_init(&r->cv, NULL);
   return T3D_OK;
 }
 
@@ -117,8 +120,11 @@ int t3d_request_poll(t3d_request_t *req, uint64_t *since) {
     return 0;
   }
   /* Nobody else runs the passes this request needs: past the spin and yield phases, sleep on this rank's doorbell,
-   * which peers ring when they publish something for it. */
-  if (t3d_backoff_poll(since)) req->comm->p2p_driver->sleep(req->comm, req, 1000000);
+   * which peers ring when they publish something for it. A peer that runs on another CPU answers within the spin
+   * phase, which a yield would outlast (even where the cores are full and waits skip it). */
+  const t3d_provider_t *d = req->comm->p2p_driver;
+  int running = d->peer_running != NULL && d->peer_running(req->comm);
+  if (running ? t3d__backoff_poll_running_since(since) : t3d_backoff_poll(since)) d->sleep(req->comm, req, 1000000);
   return 0;
 }
 
@@ -130,7 +136,7 @@ t3d_result_t t3d_wait(t3d_request_t *req, int64_t timeout_ms) {
   uint64_t since = 0;
   uint64_t until = timeout_ms >= 0 ? t3d__now_ns() + (uint64_t)timeout_ms * 1000000ull : UINT64_MAX;
   while (!atomic_load_explicit(&req->done, memory_order_acquire)) {
-    if (t3d_request_poll(req, &since) || t3d__now_ns() > until) break;
+    if (t3d_request_poll(req, &since) || (timeout_ms >= 0 && t3d__now_ns() > until)) break;
   }
   struct timespec dl;
   clock_gettime(CLOCK_REALTIME, &dl);

@@ -78,17 +78,25 @@ int t3d_backoff_poll(uint64_t *since) {
   return backoff_step(since, (uint64_t)budget(&spin_ns, T3D_PARAM_SPIN_NS), NULL);
 }
 
-int t3d__backoff_poll_running(t3d_backoff_t *b) {
-  b->spun = 0;
+/* One poll of a waiter whose peer runs on another CPU: pause-spin for T3D_SPIN_NS whatever the cores, then as
+ * backoff_step. */
+static int running_step(uint64_t *since, int *spun) {
   uint64_t now = t3d__now_ns();
-  if (b->since == 0) b->since = now;
-  if (now - b->since < (uint64_t)budget(&running_spin_ns, T3D_PARAM_SPIN_NS)) {
+  if (*since == 0) *since = now;
+  if (now - *since < (uint64_t)budget(&running_spin_ns, T3D_PARAM_SPIN_NS)) {
     for (int i = 0; i < 8; i++) __builtin_ia32_pause();
-    b->spun = 1;
+    if (spun != NULL) *spun = 1;
     return 0;
   }
-  return t3d__backoff_poll(b);
+  return backoff_step(since, (uint64_t)budget(&spin_ns, T3D_PARAM_SPIN_NS), spun);
 }
+
+int t3d__backoff_poll_running(t3d_backoff_t *b) {
+  b->spun = 0;
+  return running_step(&b->since, &b->spun);
+}
+
+int t3d__backoff_poll_running_since(uint64_t *since) { return running_step(since, NULL); }
 
 int t3d__cores_filled(void) { return atomic_load_explicit(&spin_ns, memory_order_relaxed) == 0; }
 

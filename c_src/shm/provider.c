@@ -193,6 +193,8 @@ static void shm_sleep(t3d_comm_t *comm, const t3d_request_t *req, uint64_t max_n
   t3d__shm_p2p_sleep(comm->shm_p2p, req, max_ns);
 }
 
+static int shm_peer_running(t3d_comm_t *comm) { return comm->shm != NULL && t3d__shm_peer_running(comm->shm); }
+
 static void shm_broken(t3d_comm_t *comm, t3d_result_t res, const char *msg) {
   if (comm->shm != NULL) t3d__shm_report_failure(comm->shm, res, msg);
 }
@@ -222,5 +224,6 @@ const t3d_provider_t t3d__provider_shm = {
     .progress = shm_progress,
     .active = shm_active,
     .sleep = shm_sleep,
+    .peer_running = shm_peer_running,
     .broken = shm_broken,
 };

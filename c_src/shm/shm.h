@@ -314,6 +314,9 @@ void t3d__shm_sleep(t3d_shm_t *s, int p, uint64_t target, uint64_t max_ns);
 /* Waiting between polls of peer p's flag for `target`: t3d__backoff_poll's spin and yield phases, then sleeps of
  * up to 1 ms (so that callers still check abort and deadline), never past `until` (0: no limit). */
 void t3d__shm_backoff(t3d_shm_t *s, t3d_backoff_t *b, int p, uint64_t target, uint64_t until);
+/* With as many ranks as cores (cpu_aware): notes this rank's CPU and says whether some other rank shows another
+ * one (it runs there now, unless preempted since: then the cost is one short spin). 0 otherwise. */
+int t3d__shm_peer_running(t3d_shm_t *s);
 /* Waits until rank `who` (-1: every other rank) has reached phase `target`; with `until` (t3d__now_ns, 0: none)
  * gives up then with T3D_IN_PROGRESS. */
 t3d_result_t t3d__shm_wait_until(t3d_shm_t *s, t3d_exec_t *ex, int who, uint64_t target, uint64_t until);

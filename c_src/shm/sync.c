@@ -98,6 +98,17 @@ void t3d__shm_backoff(t3d_shm_t *s, t3d_backoff_t *b, int p, uint64_t target, ui
   t3d__shm_sleep(s, p, target, max_ns);
 }
 
+int t3d__shm_peer_running(t3d_shm_t *s) {
+  if (!s->cpu_aware) return 0;
+  t3d__shm_note_cpu(s);
+  uint32_t mine = (uint32_t)sched_getcpu() + 1u;
+  for (int p = 0; p < s->size; p++) {
+    uint32_t cpu = p == s->rank ? 0u : atomic_load_explicit(t3d__shm_cpu(s, p), memory_order_relaxed);
+    if (cpu != 0 && cpu != mine) return 1;
+  }
+  return 0;
+}
+
 /* "rank(s) 1, 3" for the ranks among [lo, hi) below target. */
 static void describe_missing(t3d_shm_t *s, int lo, int hi, uint64_t target, char *buf, size_t len) {
   size_t used = (size_t)snprintf(buf, len, "rank(s) ");
