@@ -36,6 +36,21 @@ def _dev(rank):
     return d
 
 
+def _broadcast_gather_scatter(base, rank, ws):
+    """broadcast, all_gather_into_tensor and reduce_scatter_tensor of tensors like base (on this rank's device)."""
+    import torch.distributed as dist
+    t = base + rank
+    dist.broadcast(t, src=ws - 1)
+    assert torch.equal(t, base + ws - 1), "broadcast"
+    out = torch.empty(ws * base.numel(), device=base.device)
+    dist.all_gather_into_tensor(out, base + rank)
+    assert torch.equal(out, torch.cat([base + r for r in range(ws)])), "all_gather_into_tensor"
+    inp = torch.cat([base + 10 * r + rank for r in range(ws)])
+    out = torch.empty(base.numel(), device=base.device)
+    dist.reduce_scatter_tensor(out, inp)
+    assert torch.equal(out, ws * (base + 10 * rank) + sum(range(ws))), "reduce_scatter_tensor"
+
+
 def _collectives(rank, ws):
     """Every collective on CUDA tensors, with values every rank can predict."""
     import torch.distributed as dist
@@ -58,21 +73,10 @@ def _collectives(rank, ws):
     dist.all_reduce(b)  # bool SUM is "any"
     assert b.tolist() == [True, False, True], "bool SUM"
 
-    t = base + rank
-    dist.broadcast(t, src=ws - 1)
-    assert torch.equal(t, base + ws - 1), "broadcast"
-
-    out = torch.empty(ws * n, device=dev)
-    dist.all_gather_into_tensor(out, base + rank)
-    assert torch.equal(out, torch.cat([base + r for r in range(ws)])), "all_gather_into_tensor"
+    _broadcast_gather_scatter(base, rank, ws)
     outs = [torch.empty(r + 1, device=dev) for r in range(ws)]
     dist.all_gather(outs, torch.full((rank + 1,), float(rank), device=dev))  # uneven sizes
     assert all(torch.equal(o, torch.full((r + 1,), float(r), device=dev)) for r, o in enumerate(outs)), "all_gather"
-
-    inp = torch.cat([base + 10 * r + rank for r in range(ws)])
-    out = torch.empty(n, device=dev)
-    dist.reduce_scatter_tensor(out, inp)
-    assert torch.equal(out, ws * (base + 10 * rank) + sum(range(ws))), "reduce_scatter_tensor"
 
     # all_to_all_single with uneven and zero splits, as context parallelism uses it.
     send = [(r + rank) % 3 for r in range(ws)]
@@ -355,16 +359,7 @@ def _large_collectives(rank, ws):
     t = (base + rank).bfloat16()
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     assert torch.equal(t.float(), (base + ws - 1).bfloat16().float()), "all_reduce MAX bf16"
-    t = base + rank
-    dist.broadcast(t, src=ws - 1)
-    assert torch.equal(t, base + ws - 1), "broadcast"
-    out = torch.empty(ws * n, device=dev)
-    dist.all_gather_into_tensor(out, base + rank)
-    assert torch.equal(out, torch.cat([base + r for r in range(ws)])), "all_gather_into_tensor"
-    inp = torch.cat([base + 10 * r + rank for r in range(ws)])
-    out = torch.empty(n, device=dev)
-    dist.reduce_scatter_tensor(out, inp)
-    assert torch.equal(out, ws * (base + 10 * rank) + sum(range(ws))), "reduce_scatter_tensor"
+    _broadcast_gather_scatter(base, rank, ws)
     inp = torch.cat([torch.full((n // ws,), float(100 * rank + r), device=dev) for r in range(ws)])
     out = torch.empty(n // ws * ws, device=dev)
     dist.all_to_all_single(out, inp)
