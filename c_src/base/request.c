@@ -26,12 +26,16 @@ void t3d__request_prepare(t3d_comm_t *comm, t3d_op_kind_t kind, const t3d_opts_t
   r->source = -1;
 }
 
+static void init_sync(t3d_request_t *r) {
+  pthread_mutex_init(&r->mu, NULL);
+  pthread_cond_init(&r->cv, NULL);
+}
+
 t3d_request_t *t3d__request_keep(const t3d_request_t *prepared) {
   t3d_request_t *r = malloc(sizeof *r);
   if (r == NULL) return NULL;
   memcpy(r, prepared, sizeof *r);
-  pthread_mutex_init(&r->mu, NULL);
-  pthread_cond_init(&r->cv, NULL);
+  init_sync(r);
   return r;
 }
 
@@ -41,8 +45,7 @@ t3d_result_t t3d__request_new(t3d_comm_t *comm, t3d_op_kind_t kind, const t3d_op
   *out = r;
   if (r == NULL) return t3d__set_error(comm, T3D_ERR_NO_MEMORY, "t3d: out of memory for a request");
   t3d__request_prepare(comm, kind, opts, r);
-  pthread_mutex_init(&r->mu, NULL);
-  pthread_cond_init(&r->cv, NULL);
+  init_sync(r);
   return T3D_OK;
 }
 

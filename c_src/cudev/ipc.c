@@ -83,8 +83,8 @@ struct t3d_cudev_ipc {
   meta_t mine;
   /* the peers' (index: rank; this rank's own entries point at its own buffer) */
   void **peer_buf;
-  int64_t *peer_gen;
-  int64_t *seen_gen; /* every rank's buffer generation at the last mapping (the same on every rank) */
+  int64_t *peer_gen; /* every rank's buffer generation as last mapped here (this rank's own too, so that every
+                      * rank sees the same thing new after A) */
   void **peer_copied, **peer_done;
   meta_t *metas;
   size_t *counts, *displs; /* of the meta allgather */
@@ -141,7 +141,6 @@ void t3d__cudev_ipc_free(t3d_cudev_ipc_t *s) {
   }
   free(s->peer_buf);
   free(s->peer_gen);
-  free(s->seen_gen);
   free(s->peer_copied);
   free(s->peer_done);
   free(s->metas);
@@ -187,14 +186,13 @@ static t3d_result_t setup(t3d_cudev_ipc_t **out, const t3d_cudart_api_t *api, in
   s->host_waits = strcmp(t3d__param_str(T3D_PARAM_CUDA_IPC_WAIT), "host") == 0;
   s->peer_buf = calloc((size_t)n, sizeof *s->peer_buf);
   s->peer_gen = calloc((size_t)n, sizeof *s->peer_gen);
-  s->seen_gen = calloc((size_t)n, sizeof *s->seen_gen);
   s->peer_copied = calloc((size_t)n, sizeof *s->peer_copied);
   s->peer_done = calloc((size_t)n, sizeof *s->peer_done);
   s->metas = calloc((size_t)n, sizeof *s->metas);
   s->counts = calloc((size_t)n, sizeof *s->counts);
   s->displs = calloc((size_t)n, sizeof *s->displs);
   s->srcs = calloc((size_t)n, sizeof *s->srcs);
-  if (!s->peer_buf || !s->peer_gen || !s->seen_gen || !s->peer_copied || !s->peer_done || !s->metas ||
+  if (!s->peer_buf || !s->peer_gen || !s->peer_copied || !s->peer_done || !s->metas ||
       !s->counts || !s->displs || !s->srcs) {
     goto oom;
   }
@@ -245,7 +243,7 @@ static int grow(t3d_cudev_ipc_t *s, const t3d_cudart_api_t *api, size_t need) {
 static int anything_new(const t3d_cudev_ipc_t *s) {
   if (!s->opened) return 1;
   for (int p = 0; p < s->n; p++) {
-    if (s->metas[p].gen != s->seen_gen[p]) return 1;
+    if (s->metas[p].gen != s->peer_gen[p]) return 1;
   }
   return 0;
 }
@@ -253,9 +251,9 @@ static int anything_new(const t3d_cudev_ipc_t *s) {
 static void open_peers(t3d_cudev_ipc_t *s, const t3d_cudart_api_t *api) {
   for (int p = 0; p < s->n; p++) {
     const meta_t *m = &s->metas[p];
-    s->seen_gen[p] = m->gen;
     if (p == s->rank) {
       s->peer_buf[p] = s->buf;
+      s->peer_gen[p] = m->gen;
       continue;
     }
     t3d_cuda_error_t e;

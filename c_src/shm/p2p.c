@@ -651,8 +651,7 @@ void t3d__shm_p2p_sleep(t3d_shm_p2p_t *p, const t3d_request_t *req, uint64_t max
   int ran;
   if (try_pass(p, &ran) == 0 && ran && !atomic_load_explicit(&req->done, memory_order_acquire)) {
     struct timespec ts = {(time_t)(max_ns / 1000000000u), (long)(max_ns % 1000000000u)};
-    /* Asleep, this rank runs nowhere: its peers' waits must not spin for it (t3d__shm_peer_running). */
-    if (p->shm->cpu_aware) atomic_store_explicit(t3d__shm_cpu(p->shm, p->rank), 0u, memory_order_relaxed);
+    t3d__shm_set_cpu(p->shm, 0u); /* asleep: peers' waits must not spin for it (t3d__shm_peer_running) */
     syscall(SYS_futex, (void *)&b->bell, FUTEX_WAIT, v, &ts, NULL, 0);
     t3d__shm_note_cpu(p->shm);
   }

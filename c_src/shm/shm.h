@@ -226,11 +226,14 @@ static inline _Atomic uint32_t *t3d__shm_cpu(const t3d_shm_t *s, int p) {
 static inline _Atomic int32_t *t3d__shm_pid(const t3d_shm_t *s, int p) {
   return (_Atomic int32_t *)(void *)(s->ctrl + (size_t)p * T3D_SHM_CTRL_STRIDE + T3D_SHM_PID_OFFSET);
 }
-static inline void t3d__shm_note_cpu(t3d_shm_t *s) {
+/* Publishes v (a CPU + 1, or 0 before sleeping on a futex) as this rank's CPU word, writing only a change. */
+static inline void t3d__shm_set_cpu(t3d_shm_t *s, uint32_t v) {
   if (!s->cpu_aware) return;
   _Atomic uint32_t *c = t3d__shm_cpu(s, s->rank);
-  uint32_t v = (uint32_t)sched_getcpu() + 1u;
   if (atomic_load_explicit(c, memory_order_relaxed) != v) atomic_store_explicit(c, v, memory_order_relaxed);
+}
+static inline void t3d__shm_note_cpu(t3d_shm_t *s) {
+  if (s->cpu_aware) t3d__shm_set_cpu(s, (uint32_t)sched_getcpu() + 1u);
 }
 /* Rank p's current collective, then its previous one: kind words (t3d__shm_info_kind; t3d__exec_shm writes them,
  * t3d__shm_check_info quotes the first, t3d__shm_check_peers_op compares both). */

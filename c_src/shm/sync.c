@@ -66,7 +66,7 @@ void t3d__shm_wake(t3d_shm_t *s) {
 void t3d__shm_sleep(t3d_shm_t *s, int p, uint64_t target, uint64_t max_ns) {
   _Atomic uint32_t *sleepers = t3d__shm_sleepers(s, p);
   t3d__shm_settle(s);
-  if (s->cpu_aware) atomic_store_explicit(t3d__shm_cpu(s, s->rank), 0u, memory_order_relaxed);
+  t3d__shm_set_cpu(s, 0u); /* asleep, this rank runs nowhere: peers must not spin for it */
   atomic_fetch_add_explicit(sleepers, 1, memory_order_seq_cst);
   uint64_t v = atomic_load_explicit(t3d__shm_flag(s, p), memory_order_seq_cst);
   if (v < target) {
@@ -100,8 +100,8 @@ void t3d__shm_backoff(t3d_shm_t *s, t3d_backoff_t *b, int p, uint64_t target, ui
 
 int t3d__shm_peer_running(t3d_shm_t *s) {
   if (!s->cpu_aware) return 0;
-  t3d__shm_note_cpu(s);
   uint32_t mine = (uint32_t)sched_getcpu() + 1u;
+  t3d__shm_set_cpu(s, mine);
   for (int p = 0; p < s->size; p++) {
     uint32_t cpu = p == s->rank ? 0u : atomic_load_explicit(t3d__shm_cpu(s, p), memory_order_relaxed);
     if (cpu != 0 && cpu != mine) return 1;
