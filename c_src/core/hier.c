@@ -158,14 +158,12 @@ static int grow_scratch(t3d_hier_t *h, size_t bytes) {
   return 1;
 }
 
-static t3d_result_t hier_allreduce(t3d_exec_t *ex, const void *sendbuf, void *recvbuf, size_t count,
-                                   t3d_dtype_t dt, t3d_redop_t op) {
+/* One piece of the vector through the three levels. */
+static t3d_result_t hier_allreduce_piece(t3d_exec_t *ex, const void *sendbuf, void *recvbuf, size_t count,
+                                         t3d_dtype_t dt, t3d_redop_t op) {
   t3d_hier_t *h = ex->comm->hier;
   size_t es = t3d_dtype_size(dt);
   int nl = h->local->size, me = h->local->rank;
-  if (count * es < hier_min_bytes() || count < (size_t)nl) {
-    return t3d__provider_ucx.coll->allreduce(ex, sendbuf, recvbuf, count, dt, op);
-  }
   size_t *arr = malloc(4 * (size_t)nl * sizeof *arr);
   if (arr == NULL) return T3D_ERR_NO_MEMORY;
   size_t *counts = arr, *offs = arr + nl, *bytes = arr + 2 * nl, *displs = arr + 3 * nl;
@@ -205,6 +203,29 @@ static t3d_result_t hier_allreduce(t3d_exec_t *ex, const void *sendbuf, void *re
 out:
   free(arr);
   return res;
+}
+
+/* Large vectors go in pieces of T3D_HIER_CHUNK_BYTES, each through all three levels, the same pieces on every
+ * rank. The lanes' messages of consecutive pieces carry the same tags; UCX matches a sender's messages in the order
+ * they were sent, and a piece's receives are all posted before the next piece's. */
+static t3d_result_t hier_allreduce(t3d_exec_t *ex, const void *sendbuf, void *recvbuf, size_t count,
+                                   t3d_dtype_t dt, t3d_redop_t op) {
+  t3d_hier_t *h = ex->comm->hier;
+  size_t es = t3d_dtype_size(dt), nl = (size_t)h->local->size;
+  if (count * es < hier_min_bytes() || count < nl) {
+    return t3d__provider_ucx.coll->allreduce(ex, sendbuf, recvbuf, count, dt, op);
+  }
+  int64_t chunk = t3d__param_int(T3D_PARAM_HIER_CHUNK_BYTES);
+  size_t piece = chunk > 0 ? (size_t)chunk / es : count;
+  if (piece < nl) piece = nl;
+  const char *in = sendbuf;
+  char *out = recvbuf;
+  for (size_t lo = 0, n; lo < count; lo += n) {
+    n = count - lo;
+    if (n > piece && n - piece >= nl) n = piece; /* a tail shorter than nl joins the last piece */
+    T3D_CHECK(hier_allreduce_piece(ex, in + lo * es, out + lo * es, n, dt, op));
+  }
+  return T3D_OK;
 }
 
 static t3d_result_t hier_broadcast(t3d_exec_t *ex, void *buf, size_t bytes, int root) {

@@ -1,11 +1,14 @@
 /* broadcast.c: binomial tree rooted at root, on ranks relative to it. Large messages go down the tree in chunks,
- * so that a rank forwards chunk k while chunk k+1 arrives. */
+ * a round of ROUND_CHUNKS at a time, so that a rank forwards round k while round k+1 arrives, and each link has a
+ * round's chunks in flight rather than one (one at a time, the 2-rank 64 MiB broadcast over TCP waited on each
+ * 256 KiB chunk's rendezvous). */
 #include "ucx.h"
 
 /* Below this a message goes whole; above it in chunks of this size (more when that would need too many steps). */
 #define PIPELINE_CHUNK ((size_t)256 * 1024)
 #define PIPELINE_MIN ((size_t)1024 * 1024)
 #define MAX_CHUNKS ((size_t)1 << 19)
+#define ROUND_CHUNKS 8
 
 t3d_result_t t3d__algo_broadcast(t3d_exec_t *ex, void *buf, size_t bytes, int root) {
   int n = ex->size, r = ex->rank;
@@ -20,7 +23,7 @@ t3d_result_t t3d__algo_broadcast(t3d_exec_t *ex, void *buf, size_t bytes, int ro
     }
     mask <<= 1;
   }
-  int children[32], nchildren = 0;
+  int children[16], nchildren = 0;
   for (int m = mask >> 1; m > 0; m >>= 1)
     if (vr + m < n) children[nchildren++] = (vr + m + root) % n;
 
@@ -30,18 +33,18 @@ t3d_result_t t3d__algo_broadcast(t3d_exec_t *ex, void *buf, size_t bytes, int ro
     if ((bytes + chunk - 1) / chunk > MAX_CHUNKS) chunk = (bytes + MAX_CHUNKS - 1) / MAX_CHUNKS;
   }
   size_t nchunks = (bytes + chunk - 1) / chunk;
+  size_t nrounds = (nchunks + ROUND_CHUNKS - 1) / ROUND_CHUNKS;
   char *b = (char *)buf;
-  t3d_xfer_t xs[33];
-  /* Round k receives chunk k and forwards chunk k-1; the chunk index is the step. */
-  for (size_t k = 0; k <= nchunks; k++) {
+  t3d_xfer_t xs[ROUND_CHUNKS * 17]; /* a round's receives and its sends to at most 16 children (n < 2^16) */
+  /* Round k receives chunks [k R, (k + 1) R) and forwards those of round k - 1; the chunk index is the step. */
+  for (size_t k = 0; k <= nrounds; k++) {
     t3d_batch_t bt;
-    t3d__batch_init(&bt, ex, xs, 33);
-    if (parent >= 0 && k < nchunks) {
-      size_t len = k + 1 < nchunks ? chunk : bytes - k * chunk;
-      t3d__batch_recv(&bt, parent, (uint32_t)k, b + k * chunk, len);
+    t3d__batch_init(&bt, ex, xs, (int)(sizeof xs / sizeof xs[0]));
+    for (size_t j = k * ROUND_CHUNKS; parent >= 0 && k < nrounds && j < (k + 1) * ROUND_CHUNKS && j < nchunks; j++) {
+      t3d__batch_recv(&bt, parent, (uint32_t)j, b + j * chunk, j + 1 < nchunks ? chunk : bytes - j * chunk);
     }
-    if (k > 0) {
-      size_t j = k - 1, len = j + 1 < nchunks ? chunk : bytes - j * chunk;
+    for (size_t j = (k - 1) * ROUND_CHUNKS; k > 0 && j < k * ROUND_CHUNKS && j < nchunks; j++) {
+      size_t len = j + 1 < nchunks ? chunk : bytes - j * chunk;
       for (int c = 0; c < nchildren; c++) t3d__batch_send(&bt, children[c], (uint32_t)j, b + j * chunk, len);
     }
     T3D_CHECK(t3d__batch_wait(&bt));

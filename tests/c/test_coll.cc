@@ -402,6 +402,28 @@ TEST_P(Coll, Broadcast) {
   });
 }
 
+// Broadcasts large enough for several rounds of the UCX tree's pipeline (8 chunks of 256 KiB each) with a short
+// last chunk, and, on shared memory, past the single-copy range's end; every byte checked on every rank.
+TEST_P(Coll, LargeBroadcasts) {
+  const int n = GetParam();
+  RunRanks(n, [&](int rank, t3d_comm_t *comm) {
+    for (size_t bytes : {(size_t{5} << 20) + 13, (size_t{9} << 20) + 1}) {
+      for (int root : {0, n - 1, n / 2}) {
+        STOP_IF_FAILED();
+        const std::string what = "broadcast of " + std::to_string(bytes) + " B from " + std::to_string(root);
+        std::vector<uint8_t> buf(bytes, 0), expect(bytes);
+        for (size_t i = 0; i < bytes; ++i) expect[i] = static_cast<uint8_t>(i * 31 + i / 4093 + root);
+        if (rank == root) buf = expect;
+        if (!RunOk(comm, what, [&](t3d_request_t **r) {
+              return t3d_broadcast(comm, buf.data(), bytes, T3D_UINT8, root, nullptr, r);
+            }))
+          return;
+        EXPECT_TRUE(buf == expect) << Tag(rank, what);
+      }
+    }
+  });
+}
+
 TEST_P(Coll, GatherScatter) {
   const int n = GetParam();
   RunRanks(n, [&](int rank, t3d_comm_t *comm) {

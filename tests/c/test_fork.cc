@@ -186,9 +186,9 @@ struct ChildArgs {
     }
   }
   // Collectives whose blocks are large enough to be read straight from the owner's process (single copy): an
-  // allgather, an alltoallv where only rank 0 sends large blocks, an alltoall; then a broadcast from rank 1 (through
-  // the segment). New data every iteration, so a reader that copied before the owner filled its buffer, or after it
-  // moved on, sees the wrong values.
+  // allgather, an alltoallv where only rank 0 sends large blocks, an alltoall; then broadcasts through the segment,
+  // from rank 1 through the halves and a small one from rank 2 through the small slots. New data every iteration,
+  // so a reader that copied before the owner filled its buffer, or after it moved on, sees the wrong values.
   const size_t big = 100000;  // floats: 400 kB blocks
   for (int it = 0; it < 4; ++it) {
     auto value = [&](int from, int to, size_t i) {
@@ -243,6 +243,12 @@ struct ChildArgs {
       for (size_t i = 0; i < bc.size(); ++i) bc[i] = value(1, 2, i);
     run("broadcast", t3d_broadcast(comm, bc.data(), bc.size(), T3D_FLOAT32, 1, nullptr, &q));
     check("broadcast", bc, 0, 1, 2, bc.size());
+
+    std::vector<float> sb(1000, -1.0f);
+    if (a.rank == 2)
+      for (size_t i = 0; i < sb.size(); ++i) sb[i] = value(2, 1, i);
+    run("small broadcast", t3d_broadcast(comm, sb.data(), sb.size(), T3D_FLOAT32, 2, nullptr, &q));
+    check("small broadcast", sb, 0, 2, 1, sb.size());
   }
   r = t3d_comm_destroy(comm);
   if (r != T3D_OK) {

@@ -195,7 +195,7 @@ def _two_level(rank: int, world: int, report) -> None:
     hosts = 2
     host = int(os.environ["T3D_TEST_HOST_OF"].split(",")[rank])
     bad = []
-    for n in (1, 3, 4, 1000, 65537, 1 << 20):
+    for n in (1, 3, 4, 1000, 20001, 65537, 1 << 20):
         for dt in (torch.float32, torch.float64, torch.int32, torch.bfloat16):
             for op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.AVG):
                 if op == dist.ReduceOp.AVG and not dt.is_floating_point:
@@ -257,12 +257,15 @@ def _two_level(rank: int, world: int, report) -> None:
 def test_two_level_collectives_across_hosts(tmp_path, interleaved):
     """2 hosts x 2 ranks: allreduce (every size, dtype and op the engine treats apart), broadcast (every root),
     allgather and reduce_scatter take the two levels, with ranks numbered host by host or round the hosts
-    (reduce_scatter then goes over UCX between all ranks), and give the exact results."""
+    (reduce_scatter then goes over UCX between all ranks), and give the exact results. Round the hosts, allreduce
+    also runs in pieces of 40000 bytes (T3D_HIER_CHUNK_BYTES: n=20001 leaves a one-element tail, which joins the
+    last piece)."""
     log = str(tmp_path / "t3d.log")
     host_of = ",".join(str(p % 2 if interleaved else p // 2) for p in range(4))
     with _netns.NetnsHosts(2) as hosts:
         got = hosts.run(_two_level, 2, seconds=200, interleaved=interleaved,
-                        env={"T3D_DEBUG": "INFO", "T3D_DEBUG_FILE": log, "T3D_TEST_HOST_OF": host_of})
+                        env={"T3D_DEBUG": "INFO", "T3D_DEBUG_FILE": log, "T3D_TEST_HOST_OF": host_of,
+                             "T3D_HIER_CHUNK_BYTES": "40000" if interleaved else "0"})
     for rank in range(4):
         ends = [e for e in got[rank] if e["what"] in ("raised", "done", "crashed")]
         assert ends and ends[0]["what"] == "done", f"rank {rank}: {got[rank]}"

@@ -504,7 +504,9 @@ def render(results: dict, n: int, skipped: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(results: dict, n: int, path: str) -> None:
+def plot(results: dict, n: int, path: str, ranks: str | None = None) -> None:
+    """busbw against size, one panel per op, one line per backend. ranks: the panels' words for the group
+    (default "<n> ranks")."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -521,7 +523,7 @@ def plot(results: dict, n: int, path: str) -> None:
             ax.plot(xs, ys, marker="o", ms=3, label=b)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_title(f"{op} ({n} ranks)")
+        ax.set_title(f"{op} ({ranks or f'{n} ranks'})")
         ax.set_xlabel("bytes")
         ax.set_ylabel("busbw GB/s")
         ax.grid(True, alpha=0.3)
@@ -562,10 +564,17 @@ def _rerender(path: str) -> int:
     with open(path) as f:
         data = json.load(f)
     n, stem = data["nproc"], os.path.splitext(path)[0]
-    md = render(data["results"], n, data.get("skipped", {}))
+    if data.get("hosts"):
+        from . import multihost
+
+        md = multihost.render(data["results"], n * data["hosts"], data["hosts"], data.get("link_bytes_per_s"),
+                              data.get("link_both_ways_bytes_per_s"))
+        multihost.plot(data, stem + ".png")
+    else:
+        md = render(data["results"], n, data.get("skipped", {}))
+        plot(data["results"], n, stem + ".png")
     with open(stem + ".md", "w") as f:
         f.write(md)
-    plot(data["results"], n, stem + ".png")
     print(md)
     print(f"rewrote {stem}.md, .png from {path}")
     return 0

@@ -21,7 +21,7 @@ import sys
 import time
 
 from .. import netns
-from .collectives import _rank_main, median_rows, output_dir, parse_size, save_run, sizes_between
+from .collectives import _rank_main, median_rows, output_dir, parse_size, plot as plot_busbw, save_run, sizes_between
 from .opspec import OPS, bus_factor
 
 
@@ -137,6 +137,12 @@ def render(results: dict, world: int, hosts: int, link: float | None, duplex: fl
     return "\n".join(lines) + "\n"
 
 
+def plot(data: dict, path: str) -> None:
+    """The run's busbw plot (as one host's), its panels naming the hosts."""
+    hosts, nproc = data["hosts"], data["nproc"]
+    plot_busbw(data["results"], hosts * nproc, path, ranks=f"{hosts} hosts x {nproc} ranks")
+
+
 def run(args) -> int:
     why = netns.available()
     if why:
@@ -161,9 +167,9 @@ def run(args) -> int:
     results = {b: median_rows(runs[b]) for b in backends if runs[b]}
     md = render(results, world, args.hosts, link, duplex)
     print(md)
-    stem = save_run(output_dir(args.out), args.tag or f"collectives-{args.hosts}hosts-{args.nproc}ranks",
-                    {"hosts": args.hosts, "nproc": args.nproc, "link_bytes_per_s": link,
-                     "link_both_ways_bytes_per_s": duplex, "results": results,
-                     "when": time.strftime("%Y-%m-%d %H:%M")}, md)
-    print(f"saved {stem}.json, .md")
+    data = {"hosts": args.hosts, "nproc": args.nproc, "link_bytes_per_s": link, "link_both_ways_bytes_per_s": duplex,
+            "results": results, "when": time.strftime("%Y-%m-%d %H:%M")}
+    stem = save_run(output_dir(args.out), args.tag or f"collectives-{args.hosts}hosts-{args.nproc}ranks", data, md)
+    plot(data, stem + ".png")
+    print(f"saved {stem}.json, .md, .png")
     return 0
