@@ -1,0 +1,80 @@
+#!/usr/bin/env python3
+"""t3d against Open MPI over several runs of scripts/bench-c.sh, one output folder per run.
+
+    for i in 1 2 3; do T3D_BENCH_OUT=/tmp/bc$i ./scripts/bench-c.sh 2; done
+    scripts/bench_c_summary.py 2 /tmp/bc1 /tmp/bc2 /tmp/bc3 [--out FILE]
+
+Per operation and size: the median over the runs of t3d's time and of Open MPI's (each run pairs them back to
+back), their ratio (Open MPI's time over t3d's: above 1, t3d is faster), and per operation the range of that ratio
+and the sizes where Open MPI is faster. Prints markdown; `--out` also writes it.
+"""
+import argparse
+import os
+import re
+import statistics
+import sys
+
+ROW = re.compile(r"^\s*(\d+)\s+\d+\s+\S+\s+\S+\s+\|\s+(auto|mpi)\s+([\d.]+)\s")
+SECTION = re.compile(r"^# (\w+), \d+ ranks")
+OPS = ["allreduce", "reduce_scatter", "allgather", "alltoall", "broadcast", "sendrecv"]
+
+
+def read(path):
+    """{(op, bytes): microseconds} of one file (t3d's "auto" column, or Open MPI's)."""
+    times, op = {}, None
+    with open(path) as f:
+        for line in f:
+            m = SECTION.match(line)
+            if m:
+                op = m.group(1)
+                continue
+            m = ROW.match(line)
+            if m and op:
+                times[(op, int(m.group(1)))] = float(m.group(3))
+    return times
+
+
+def size_text(n):
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}"
+    return f"{n} B"
+
+
+def summary(ranks, dirs):
+    t3d = [read(os.path.join(d, f"collectives-c-{ranks}ranks.txt")) for d in dirs]
+    mpi = [read(os.path.join(d, f"collectives-c-mpi-{ranks}ranks.txt")) for d in dirs]
+    lines = [f"t3d_bench_c against Open MPI's mpi_bench_c, {ranks} ranks, medians of {len(dirs)} runs of "
+             f"`scripts/bench-c.sh {ranks}`; Open MPI's time over t3d's (above 1: t3d is faster)", "",
+             "| op | Open MPI / t3d | where Open MPI is faster (ratio; t3d / Open MPI us) |", "|---|---|---|"]
+    for op in OPS:
+        keys = sorted(k for k in t3d[0] if k[0] == op and all(k in r for r in t3d + mpi))
+        if not keys:
+            continue
+        ratios, faster = [], []
+        for k in keys:
+            t = statistics.median(r[k] for r in t3d)
+            m = statistics.median(r[k] for r in mpi)
+            ratios.append(m / t)
+            if m < t:
+                faster.append(f"{size_text(k[1])} ({m / t:.2f}; {t:.2f} / {m:.2f})")
+        lines.append(f"| {op} | {min(ratios):.2f}-{max(ratios):.2f} | {', '.join(faster) or 'nowhere'} |")
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("ranks", type=int)
+    p.add_argument("dirs", nargs="+")
+    p.add_argument("--out")
+    a = p.parse_args()
+    text = summary(a.ranks, a.dirs)
+    print(text, end="")
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
