@@ -19,10 +19,10 @@ ROW = re.compile(r"^\s*(\d+)\s+\d+\s+\S+\s+\S+\s+\|\s+(\S+)\s+([\d.]+)\s")
 SECTION = re.compile(r"^# (\w+), ")
 
 
-def run(binary, args):
-    out = subprocess.run([binary] + args, check=True, capture_output=True, text=True).stdout
+def parse_rows(text):
+    """{(op, column, bytes): microseconds} of a bench's output; column is "auto", "ucx" or "mpi"."""
     times, op = {}, None
-    for line in out.splitlines():
+    for line in text.splitlines():
         m = SECTION.match(line)
         if m:
             op = m.group(1)
@@ -30,7 +30,12 @@ def run(binary, args):
         m = ROW.match(line)
         if m and op:
             times[(op, m.group(2), int(m.group(1)))] = float(m.group(3))
-    return out, times
+    return times
+
+
+def run(binary, args):
+    out = subprocess.run([binary] + args, check=True, capture_output=True, text=True).stdout
+    return out, parse_rows(out)
 
 
 def human(n):

@@ -10,28 +10,20 @@ and the sizes where Open MPI is faster. Prints markdown; `--out` also writes it.
 """
 import argparse
 import os
-import re
 import statistics
 import sys
 
-ROW = re.compile(r"^\s*(\d+)\s+\d+\s+\S+\s+\S+\s+\|\s+(auto|mpi)\s+([\d.]+)\s")
-SECTION = re.compile(r"^# (\w+), \d+ ranks")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_ab import parse_rows  # noqa: E402  (the bench's table rows, one parser for both scripts)
+
 OPS = ["allreduce", "reduce_scatter", "allgather", "alltoall", "broadcast", "sendrecv"]
 
 
 def read(path):
-    """{(op, bytes): microseconds} of one file (t3d's "auto" column, or Open MPI's)."""
-    times, op = {}, None
+    """{(op, bytes): microseconds} of one file: t3d's "auto" column, or Open MPI's."""
     with open(path) as f:
-        for line in f:
-            m = SECTION.match(line)
-            if m:
-                op = m.group(1)
-                continue
-            m = ROW.match(line)
-            if m and op:
-                times[(op, int(m.group(1)))] = float(m.group(3))
-    return times
+        rows = parse_rows(f.read())
+    return {(op, size): us for (op, column, size), us in rows.items() if column in ("auto", "mpi")}
 
 
 def size_text(n):
