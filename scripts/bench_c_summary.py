@@ -14,7 +14,7 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_ab import parse_rows  # noqa: E402  (the bench's table rows, one parser for both scripts)
+from bench_ab import human, parse_rows  # noqa: E402  (the bench's table rows, one parser for both scripts)
 
 OPS = ["allreduce", "reduce_scatter", "allgather", "alltoall", "broadcast", "sendrecv"]
 
@@ -24,13 +24,6 @@ def read(path):
     with open(path) as f:
         rows = parse_rows(f.read())
     return {(op, size): us for (op, column, size), us in rows.items() if column in ("auto", "mpi")}
-
-
-def size_text(n):
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift and n % (1 << shift) == 0:
-            return f"{n >> shift} {unit}"
-    return f"{n} B"
 
 
 def summary(ranks, dirs):
@@ -49,7 +42,7 @@ def summary(ranks, dirs):
             m = statistics.median(r[k] for r in mpi)
             ratios.append(m / t)
             if m < t:
-                faster.append(f"{size_text(k[1])} ({m / t:.2f}; {t:.2f} / {m:.2f})")
+                faster.append(f"{human(k[1])} ({m / t:.2f}; {t:.2f} / {m:.2f})")
         lines.append(f"| {op} | {min(ratios):.2f}-{max(ratios):.2f} | {', '.join(faster) or 'nowhere'} |")
     return "\n".join(lines) + "\n"
 

@@ -10,6 +10,11 @@
 #define MAX_CHUNKS ((size_t)1 << 19)
 #define ROUND_CHUNKS 8
 
+/* Chunk j's length: the last one takes what is left. */
+static size_t chunk_len(size_t j, size_t nchunks, size_t chunk, size_t bytes) {
+  return j + 1 < nchunks ? chunk : bytes - j * chunk;
+}
+
 t3d_result_t t3d__algo_broadcast(t3d_exec_t *ex, void *buf, size_t bytes, int root) {
   int n = ex->size, r = ex->rank;
   if (n == 1 || bytes == 0) return T3D_OK;
@@ -40,11 +45,12 @@ t3d_result_t t3d__algo_broadcast(t3d_exec_t *ex, void *buf, size_t bytes, int ro
   for (size_t k = 0; k <= nrounds; k++) {
     t3d_batch_t bt;
     t3d__batch_init(&bt, ex, xs, (int)(sizeof xs / sizeof xs[0]));
-    for (size_t j = k * ROUND_CHUNKS; parent >= 0 && k < nrounds && j < (k + 1) * ROUND_CHUNKS && j < nchunks; j++) {
-      t3d__batch_recv(&bt, parent, (uint32_t)j, b + j * chunk, j + 1 < nchunks ? chunk : bytes - j * chunk);
+    size_t lo = k * ROUND_CHUNKS, hi = lo + ROUND_CHUNKS < nchunks ? lo + ROUND_CHUNKS : nchunks;
+    for (size_t j = lo; parent >= 0 && j < hi; j++) {
+      t3d__batch_recv(&bt, parent, (uint32_t)j, b + j * chunk, chunk_len(j, nchunks, chunk, bytes));
     }
-    for (size_t j = (k - 1) * ROUND_CHUNKS; k > 0 && j < k * ROUND_CHUNKS && j < nchunks; j++) {
-      size_t len = j + 1 < nchunks ? chunk : bytes - j * chunk;
+    for (size_t j = lo - ROUND_CHUNKS; k > 0 && j < lo && j < nchunks; j++) {
+      size_t len = chunk_len(j, nchunks, chunk, bytes);
       for (int c = 0; c < nchildren; c++) t3d__batch_send(&bt, children[c], (uint32_t)j, b + j * chunk, len);
     }
     T3D_CHECK(t3d__batch_wait(&bt));
