@@ -61,11 +61,17 @@ static t3d_result_t check_rank(t3d_comm_t *comm, const char *fn, const char *arg
   return T3D_OK;
 }
 
-/* Copies up to four per-rank arrays into one allocation owned by the request. */
-static t3d_result_t copy_arrays(t3d_request_t *r, const size_t *a, const size_t *b, const size_t *c,
+/* Groups of up to this many ranks pass count and displacement arrays in the calling frame instead of the heap: a
+ * small call then allocates nothing (t3d__request_keep copies them when the request outlives the call). */
+#define FRAME_RANKS 16
+
+/* Copies up to four per-rank arrays into one block owned by the request: `frame` (4 * FRAME_RANKS, in the
+ * caller's frame) when the group is that small, else the heap. */
+static t3d_result_t copy_arrays(t3d_request_t *r, size_t *frame, const size_t *a, const size_t *b, const size_t *c,
                                 const size_t *d) {
   size_t n = (size_t)r->comm->size;
-  r->arrays = malloc(4 * n * sizeof(size_t));
+  r->arrays_borrowed = n <= FRAME_RANKS;
+  r->arrays = r->arrays_borrowed ? frame : malloc(4 * n * sizeof(size_t));
   if (r->arrays == NULL) return T3D_ERR_NO_MEMORY;
   size_t *slot[4] = {r->arrays, r->arrays + n, r->arrays + 2 * n, r->arrays + 3 * n};
   const size_t *src[4] = {a, b, c, d};
@@ -152,15 +158,18 @@ t3d_result_t t3d_allgatherv(t3d_comm_t *comm, const void *sendbuf, size_t sendco
   r->recvbuf = recvbuf;
   r->count = sendcount;
   r->dtype = dtype;
-  t3d_result_t res = copy_arrays(r, NULL, NULL, recvcounts, displs);
+  size_t frame[4 * FRAME_RANKS];
+  t3d_result_t res = copy_arrays(r, frame, NULL, NULL, recvcounts, displs);
   if (res != T3D_OK) return res;
   return t3d__submit_prepared(comm, r, req);
 }
 
-/* Equal-count forms build their count and displacement arrays and share the v-form's path. */
-static t3d_result_t equal_counts(t3d_comm_t *comm, size_t count, size_t **counts, size_t **displs) {
+/* Equal-count forms build their count and displacement arrays (in `frame`, 2 * FRAME_RANKS in the caller's frame,
+ * when the group is that small; else on the heap: free_counts) and share the v-form's path. Callers zero `frame`:
+ * the compiler cannot see that this fills it. */
+static t3d_result_t equal_counts(t3d_comm_t *comm, size_t count, size_t *frame, size_t **counts, size_t **displs) {
   size_t n = (size_t)comm->size;
-  *counts = malloc(2 * n * sizeof(size_t));
+  *counts = n <= FRAME_RANKS ? frame : malloc(2 * n * sizeof(size_t));
   if (*counts == NULL) return T3D_ERR_NO_MEMORY;
   *displs = *counts + n;
   for (size_t p = 0; p < n; p++) {
@@ -170,13 +179,17 @@ static t3d_result_t equal_counts(t3d_comm_t *comm, size_t count, size_t **counts
   return T3D_OK;
 }
 
+static void free_counts(size_t *counts, const size_t *frame) {
+  if (counts != frame) free(counts);
+}
+
 t3d_result_t t3d_allgather(t3d_comm_t *comm, const void *sendbuf, void *recvbuf, size_t count, t3d_dtype_t dtype,
                            const t3d_opts_t *opts, t3d_request_t **req) {
   if (comm == NULL) return T3D_ERR_INVALID_ARG;
-  size_t *counts, *displs;
-  T3D_CHECK(equal_counts(comm, count, &counts, &displs));
+  size_t frame[2 * FRAME_RANKS] = {0}, *counts, *displs;
+  T3D_CHECK(equal_counts(comm, count, frame, &counts, &displs));
   t3d_result_t res = t3d_allgatherv(comm, sendbuf, count, recvbuf, counts, displs, dtype, opts, req);
-  free(counts);
+  free_counts(counts, frame);
   return res;
 }
 
@@ -219,7 +232,8 @@ t3d_result_t t3d_reduce_scatterv(t3d_comm_t *comm, const void *sendbuf, void *re
   r->count = total;
   r->dtype = dtype;
   r->op = op;
-  t3d_result_t res = copy_arrays(r, NULL, NULL, recvcounts, NULL);
+  size_t frame[4 * FRAME_RANKS];
+  t3d_result_t res = copy_arrays(r, frame, NULL, NULL, recvcounts, NULL);
   if (res != T3D_OK) return res;
   return t3d__submit_prepared(comm, r, req);
 }
@@ -227,10 +241,10 @@ t3d_result_t t3d_reduce_scatterv(t3d_comm_t *comm, const void *sendbuf, void *re
 t3d_result_t t3d_reduce_scatter(t3d_comm_t *comm, const void *sendbuf, void *recvbuf, size_t recvcount,
                                 t3d_dtype_t dtype, t3d_redop_t op, const t3d_opts_t *opts, t3d_request_t **req) {
   if (comm == NULL) return T3D_ERR_INVALID_ARG;
-  size_t *counts, *displs;
-  T3D_CHECK(equal_counts(comm, recvcount, &counts, &displs));
+  size_t frame[2 * FRAME_RANKS] = {0}, *counts, *displs;
+  T3D_CHECK(equal_counts(comm, recvcount, frame, &counts, &displs));
   t3d_result_t res = t3d_reduce_scatterv(comm, sendbuf, recvbuf, counts, dtype, op, opts, req);
-  free(counts);
+  free_counts(counts, frame);
   return res;
 }
 
@@ -258,7 +272,8 @@ static t3d_result_t alltoallv(t3d_comm_t *comm, const char *fn, const void *send
   r->recvbuf = recvbuf;
   r->dtype = dtype;
   r->equal_blocks = equal;
-  t3d_result_t res = copy_arrays(r, sendcounts, sdispls, recvcounts, rdispls);
+  size_t frame[4 * FRAME_RANKS];
+  t3d_result_t res = copy_arrays(r, frame, sendcounts, sdispls, recvcounts, rdispls);
   if (res != T3D_OK) return res;
   return t3d__submit_prepared(comm, r, req);
 }
@@ -273,11 +288,11 @@ t3d_result_t t3d_alltoallv(t3d_comm_t *comm, const void *sendbuf, const size_t *
 t3d_result_t t3d_alltoall(t3d_comm_t *comm, const void *sendbuf, void *recvbuf, size_t count, t3d_dtype_t dtype,
                           const t3d_opts_t *opts, t3d_request_t **req) {
   if (comm == NULL) return T3D_ERR_INVALID_ARG;
-  size_t *counts, *displs;
-  T3D_CHECK(equal_counts(comm, count, &counts, &displs));
+  size_t frame[2 * FRAME_RANKS] = {0}, *counts, *displs;
+  T3D_CHECK(equal_counts(comm, count, frame, &counts, &displs));
   t3d_result_t res = alltoallv(comm, "t3d_alltoall", sendbuf, counts, displs, recvbuf, counts, displs, dtype, opts,
                                req, 1);
-  free(counts);
+  free_counts(counts, frame);
   return res;
 }
 

@@ -56,7 +56,8 @@ struct t3d_request {
   void *stream;
   int root; /* also the peer of send/recv */
   int64_t tag;
-  size_t *arrays; /* copied counts/displacements, one allocation */
+  size_t *arrays; /* copied counts/displacements, one allocation, or the caller's stack (arrays_borrowed) */
+  int arrays_borrowed; /* arrays lives in the issuing call's frame: t3d__request_keep copies it to the heap */
   size_t *scounts, *sdispls, *rcounts, *rdispls;
   int equal_blocks; /* alltoallv from t3d_alltoall: every rank knows every block's size (shm: single copy at once) */
   /* point-to-point over shared memory (shm/p2p.c): on_shm, also on a group with such children (waiters then
@@ -152,8 +153,11 @@ t3d_result_t t3d__store_get(t3d_comm_t *comm, const char *key, void **value, siz
 /* Fills *req (on the caller's stack) as t3d__request_new would, without its mutex and condition variable: for
  * t3d__submit_prepared (core/submit.c), which keeps it on the heap (t3d__request_keep) only when it must. */
 void t3d__request_prepare(t3d_comm_t *comm, t3d_op_kind_t kind, const t3d_opts_t *opts, t3d_request_t *req);
-/* A heap copy of a prepared request, with its mutex and condition variable; NULL when out of memory. */
+/* A heap copy of a prepared request, with its mutex and condition variable (and of its arrays, where they were
+ * borrowed); NULL when out of memory. */
 t3d_request_t *t3d__request_keep(const t3d_request_t *prepared);
+/* Frees a request's arrays unless they are borrowed from the issuing call's frame. */
+void t3d__request_drop_arrays(t3d_request_t *r);
 t3d_result_t t3d__request_new(t3d_comm_t *comm, t3d_op_kind_t kind, const t3d_opts_t *opts, t3d_request_t **req);
 void t3d__request_release(t3d_request_t *req);
 /* Completes a request (its callback, its group) and drops the engine's reference. */

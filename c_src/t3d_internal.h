@@ -166,7 +166,12 @@ void t3d__fingerprint_text(uint32_t fp, char *buf, size_t len);
 typedef struct t3d_backoff {
   uint64_t since; /* 0: progress just happened */
   int spun;       /* the last poll was in the spin phase: a caller may poll its word again at once */
+  int quick;      /* spin phase: one pause per poll instead of T3D_SPIN_PAUSES (waits on a word a peer on another
+                   * core writes within a microsecond: the shared-memory collectives) */
 } t3d_backoff_t;
+/* Pauses per poll of the spin phase, unless quick: each poll also reads the clock, and a waiter notices its word
+ * only between polls. */
+#define T3D_SPIN_PAUSES 8
 void t3d__backoff_reset(t3d_backoff_t *b);
 /* Tells the backoff how many ranks of one communicator share this host (as many as cores or more: no spinning;
  * more: also a short yield phase, and t3d__oversubscribed() says so). */
@@ -209,7 +214,7 @@ void t3d__shm_p2p_free(t3d_shm_p2p_t *p);
 typedef struct t3d_shm_resume {
   int h;
   uint64_t base;
-  size_t bytes; /* one-shot allreduce: its size (how peers' arrival shows); 0 for the others */
+  int by_line; /* peers show phase 1 in their info line's seq (t3d__shm_post_arrived), not only in their flag */
 } t3d_shm_resume_t;
 
 /* ---------- reduction kernels (c_src/base/reduce.c) ---------- */

@@ -35,8 +35,26 @@ t3d_request_t *t3d__request_keep(const t3d_request_t *prepared) {
   t3d_request_t *r = malloc(sizeof *r);
   if (r == NULL) return NULL;
   memcpy(r, prepared, sizeof *r);
+  if (prepared->arrays_borrowed) {
+    size_t n = 4 * (size_t)prepared->comm->size;
+    r->arrays = malloc(n * sizeof(size_t));
+    if (r->arrays == NULL) {
+      free(r);
+      return NULL;
+    }
+    memcpy(r->arrays, prepared->arrays, n * sizeof(size_t));
+    r->arrays_borrowed = 0;
+    /* The four arrays keep their places relative to the block. */
+    size_t **views[4] = {&r->scounts, &r->sdispls, &r->rcounts, &r->rdispls};
+    for (int i = 0; i < 4; i++) *views[i] = r->arrays + (*views[i] - prepared->arrays);
+  }
   init_sync(r);
   return r;
+}
+
+void t3d__request_drop_arrays(t3d_request_t *r) {
+  if (!r->arrays_borrowed) free(r->arrays);
+  r->arrays = NULL;
 }
 
 t3d_result_t t3d__request_new(t3d_comm_t *comm, t3d_op_kind_t kind, const t3d_opts_t *opts, t3d_request_t **out) {

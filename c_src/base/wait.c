@@ -52,13 +52,13 @@ int t3d__oversubscribed(void) { return atomic_load(&oversubscribed); }
 
 void t3d__backoff_reset(t3d_backoff_t *b) { b->since = 0; }
 
-/* One poll: pause-spin while idle < spin (setting *spun), then yield, then 1. */
-static int backoff_step(uint64_t *since, uint64_t spin, int *spun) {
+/* One poll: pause-spin while idle < spin (setting *spun), `pauses` pauses, then yield, then 1. */
+static int backoff_step(uint64_t *since, uint64_t spin, int *spun, int pauses) {
   uint64_t now = t3d__now_ns();
   if (*since == 0) *since = now;
   uint64_t idle = now - *since;
   if (idle < spin) {
-    for (int i = 0; i < 8; i++) __builtin_ia32_pause();
+    for (int i = 0; i < pauses; i++) __builtin_ia32_pause();
     if (spun != NULL) *spun = 1;
     return 0;
   }
@@ -69,34 +69,36 @@ static int backoff_step(uint64_t *since, uint64_t spin, int *spun) {
   return 1;
 }
 
+static int pauses_of(const t3d_backoff_t *b) { return b != NULL && b->quick ? 1 : T3D_SPIN_PAUSES; }
+
 int t3d__backoff_poll(t3d_backoff_t *b) {
   b->spun = 0;
-  return backoff_step(&b->since, (uint64_t)budget(&spin_ns, T3D_PARAM_SPIN_NS), &b->spun);
+  return backoff_step(&b->since, (uint64_t)budget(&spin_ns, T3D_PARAM_SPIN_NS), &b->spun, pauses_of(b));
 }
 
 int t3d_backoff_poll(uint64_t *since) {
-  return backoff_step(since, (uint64_t)budget(&spin_ns, T3D_PARAM_SPIN_NS), NULL);
+  return backoff_step(since, (uint64_t)budget(&spin_ns, T3D_PARAM_SPIN_NS), NULL, T3D_SPIN_PAUSES);
 }
 
 /* One poll of a waiter whose peer runs on another CPU: pause-spin for T3D_SPIN_NS whatever the cores, then as
  * backoff_step. */
-static int running_step(uint64_t *since, int *spun) {
+static int running_step(uint64_t *since, int *spun, int pauses) {
   uint64_t now = t3d__now_ns();
   if (*since == 0) *since = now;
   if (now - *since < (uint64_t)budget(&running_spin_ns, T3D_PARAM_SPIN_NS)) {
-    for (int i = 0; i < 8; i++) __builtin_ia32_pause();
+    for (int i = 0; i < pauses; i++) __builtin_ia32_pause();
     if (spun != NULL) *spun = 1;
     return 0;
   }
-  return backoff_step(since, (uint64_t)budget(&spin_ns, T3D_PARAM_SPIN_NS), spun);
+  return backoff_step(since, (uint64_t)budget(&spin_ns, T3D_PARAM_SPIN_NS), spun, pauses);
 }
 
 int t3d__backoff_poll_running(t3d_backoff_t *b) {
   b->spun = 0;
-  return running_step(&b->since, &b->spun);
+  return running_step(&b->since, &b->spun, pauses_of(b));
 }
 
-int t3d__backoff_poll_running_since(uint64_t *since) { return running_step(since, NULL); }
+int t3d__backoff_poll_running_since(uint64_t *since) { return running_step(since, NULL, T3D_SPIN_PAUSES); }
 
 int t3d__cores_filled(void) { return atomic_load_explicit(&spin_ns, memory_order_relaxed) == 0; }
 

@@ -42,7 +42,7 @@ static t3d_result_t finish_unkept(t3d_comm_t *comm, t3d_exec_t *ex, t3d_request_
   if (res == T3D_IN_PROGRESS) res = t3d__execute(ex, r); /* r->resume is set: finishes the started operation */
   if (res < 0) t3d__record_failure(comm, ex, res);
   t3d__release_engine(comm);
-  free(r->arrays);
+  t3d__request_drop_arrays(r);
   if (res < 0) return res;
   *out = &done_ok;
   return T3D_OK;
@@ -63,7 +63,7 @@ static t3d_result_t start_inline(t3d_comm_t *comm, t3d_request_t *r, int kept, i
   if (!kept) {
     if (res == T3D_OK) {
       t3d__release_engine(comm);
-      free(r->arrays);
+      t3d__request_drop_arrays(r);
       *out = &done_ok;
       return T3D_OK;
     }
@@ -135,7 +135,7 @@ t3d_result_t t3d__submit(t3d_comm_t *comm, t3d_request_t *r, t3d_request_t **out
 t3d_result_t t3d__submit_prepared(t3d_comm_t *comm, t3d_request_t *tmp, t3d_request_t **out) {
   tmp->prov = t3d__provider_for(comm, tmp);
   if (tmp->prov == NULL) {
-    free(tmp->arrays);
+    t3d__request_drop_arrays(tmp);
     return no_provider(comm, tmp);
   }
   if (tmp->prov->start != NULL && t3d__is_collective(tmp->kind)) {
@@ -155,7 +155,7 @@ t3d_result_t t3d__submit_prepared(t3d_comm_t *comm, t3d_request_t *tmp, t3d_requ
   }
   t3d_request_t *r = t3d__request_keep(tmp);
   if (r == NULL) {
-    free(tmp->arrays);
+    t3d__request_drop_arrays(tmp);
     return t3d__set_error(comm, T3D_ERR_NO_MEMORY, "t3d: out of memory for a request");
   }
   return t3d__submit(comm, r, out);

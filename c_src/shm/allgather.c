@@ -58,13 +58,14 @@ static t3d_result_t gather_publish(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_s
     if (lo == 0) t3d__shm_put_info(s, st, T3D_OP_ALLGATHERV, total, 0);
     if (lo < mine) memcpy(t3d__shm_half(s, s->rank, st->h), own + lo, t3d__shm_min_sz(s->half, mine - lo));
   }
-  t3d__shm_post(s, st->base + 1);
+  t3d__shm_post_arrived(s, st);
   return T3D_OK;
 }
 
 /* Copies every peer's piece as soon as it is there, then posts phase 2. */
 static t3d_result_t gather_collect(gather_ctx_t *c) {
-  T3D_CHECK(t3d__shm_wait_each(c->s, c->ex, c->st->base + 1, gather_from, c));
+  t3d_shm_arrival_t a = {c->st->h, c->st->base + 1};
+  T3D_CHECK(t3d__shm_wait_each(c->s, c->ex, c->st->base + 1, &a, gather_from, c));
   T3D_CHECK(c->res);
   t3d__shm_post(c->s, c->st->base + 2);
   return T3D_OK;
@@ -104,7 +105,7 @@ static t3d_result_t gather_direct_collect(t3d_shm_t *s, t3d_exec_t *ex, const t3
                                           const size_t *counts, const size_t *displs, size_t es, size_t total) {
   gather_ctx_t c = gather_ctx(s, ex, st, recvbuf, counts, displs, es, 0, total);
   c.direct = 1;
-  T3D_CHECK(t3d__shm_wait_each(s, ex, st->base + 1, gather_from, &c));
+  T3D_CHECK(t3d__shm_wait_each(s, ex, st->base + 1, NULL, gather_from, &c));
   return t3d__shm_direct_end(s, ex, st->base + 2, c.res);
 }
 
@@ -156,6 +157,7 @@ t3d_result_t t3d__shm_gather_start(t3d_exec_t *ex, const void *sendbuf, void *re
     const char *own = gather_own(s, sendbuf, recvbuf, mine, displs[s->rank] * es);
     t3d__shm_step_begin(s, 2, &st);
     res = gather_publish(s, ex, &st, own, mine, 0, total);
+    rs->by_line = 1;
   }
   rs->h = st.h;
   rs->base = st.base;

@@ -103,7 +103,7 @@ t3d_result_t t3d__shm_oneshot_start(t3d_exec_t *ex, const void *sendbuf, size_t 
   T3D_CHECK(oneshot_publish(s, ex, sendbuf, bytes, -1, T3D_OP_ALLREDUCE, &st));
   rs->h = st.h;
   rs->base = st.base;
-  rs->bytes = bytes;
+  rs->by_line = 1;
   return T3D_OK;
 }
 
@@ -170,7 +170,7 @@ static t3d_result_t reduce_chunked(t3d_shm_t *s, t3d_exec_t *ex, const char *sb,
     }
     t3d__shm_post(s, st.base + 2);
     slice_copy_t c = {s, st.h, nt, rb + off * es, es, m, sl};
-    T3D_CHECK(t3d__shm_wait_each(s, ex, st.base + 2, copy_slice_out, &c));
+    T3D_CHECK(t3d__shm_wait_each(s, ex, st.base + 2, NULL, copy_slice_out, &c));
     t3d__shm_post(s, st.base + 3);
   }
   return T3D_OK;

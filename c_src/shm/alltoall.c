@@ -92,13 +92,14 @@ static t3d_result_t a2a_publish(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step
     if (q == s->rank || lo >= blk) continue;
     memcpy(half + (size_t)q * piece, sb + (sdispls[q] * es - sbias) + lo, t3d__shm_min_sz(piece, blk - lo));
   }
-  t3d__shm_post(s, st->base + 1);
+  t3d__shm_post_arrived(s, st);
   return T3D_OK;
 }
 
 /* Copies every peer's piece for this rank as soon as it is there, then posts phase 2. */
 static t3d_result_t a2a_collect(a2a_ctx_t *c) {
-  T3D_CHECK(t3d__shm_wait_each(c->s, c->ex, c->st->base + 1, a2a_from, c));
+  t3d_shm_arrival_t a = {c->st->h, c->st->base + 1};
+  T3D_CHECK(t3d__shm_wait_each(c->s, c->ex, c->st->base + 1, &a, a2a_from, c));
   T3D_CHECK(c->res);
   t3d__shm_post(c->s, c->st->base + 2);
   return T3D_OK;
@@ -203,7 +204,7 @@ static t3d_result_t a2a_equal_publish(t3d_shm_t *s, t3d_exec_t *ex, t3d_shm_step
 static t3d_result_t a2a_equal_collect(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step_t *st, const char *block0,
                                       char *rb, size_t blk) {
   a2a_equal_t c = {s, ex, st, rb, blk, T3D_OK};
-  T3D_CHECK(t3d__shm_wait_each(s, ex, st->base + 1, a2a_equal_from, &c));
+  T3D_CHECK(t3d__shm_wait_each(s, ex, st->base + 1, NULL, a2a_equal_from, &c));
   size_t own = (size_t)s->rank * blk;
   if (c.res == T3D_OK && rb + own != block0 + own) memmove(rb + own, block0 + own, blk);
   return t3d__shm_direct_end(s, ex, st->base + 2, c.res);
@@ -260,6 +261,7 @@ t3d_result_t t3d__shm_a2a_start(t3d_exec_t *ex, const void *sendbuf, const size_
   } else {
     t3d__shm_step_begin(s, 2, &st);
     res = a2a_publish(s, ex, &st, sendbuf, 0, scounts, sdispls, es, 0, a2a_local_max(s->size, s->rank, scounts, es));
+    rs->by_line = 1;
   }
   rs->h = st.h;
   rs->base = st.base;

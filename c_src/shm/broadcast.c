@@ -17,6 +17,20 @@ static int next_small_free(t3d_shm_t *s) {
   return t3d__shm_all_past(s, s->free_small[s->small_steps % T3D_SHM_SMALL_SLOTS]);
 }
 
+/* The root has nothing to read: it posts both phases of its step at once, then sets seq of the step's info line to
+ * phase 1, on which the others wait (t3d__shm_post_arrived): they then read the root's flag line only now and
+ * then, and the root, which runs ahead by up to T3D_SHM_SMALL_SLOTS small broadcasts, writes a line nobody reads
+ * meanwhile. */
+static void root_post(t3d_shm_t *s, const t3d_shm_step_t *st) {
+  t3d__shm_post(s, st->base + 2);
+  atomic_store_explicit(&t3d__shm_info(s, s->rank, st->h)->seq, st->base + 1, memory_order_release);
+}
+
+static t3d_result_t wait_root(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step_t *st, int root, uint64_t until) {
+  t3d_shm_arrival_t a = {st->h, st->base + 1};
+  return t3d__shm_wait_line(s, ex, root, st->base + 1, until, &a);
+}
+
 t3d_result_t t3d__shm_broadcast(t3d_exec_t *ex, void *buf, size_t bytes, int root) {
   t3d_shm_t *s = t3d__exec_shm(ex);
   char *b = buf;
@@ -35,12 +49,13 @@ t3d_result_t t3d__shm_broadcast(t3d_exec_t *ex, void *buf, size_t bytes, int roo
       if (lo == 0) t3d__shm_put_info(s, &st, T3D_OP_BROADCAST, bytes, 0);
       memcpy(t3d__shm_half(s, root, st.h), b + lo, len);
       if (lo == 0) T3D_CHECK(t3d__shm_check_peers_op(s, ex, bytes));
+      root_post(s, &st);
     } else {
-      T3D_CHECK(t3d__shm_wait(s, ex, root, st.base + 1));
+      T3D_CHECK(wait_root(s, ex, &st, root, 0));
       if (lo == 0) T3D_CHECK(t3d__shm_check_info(s, ex, &st, root, T3D_OP_BROADCAST, bytes));
       t3d__shm_copy(b + lo, t3d__shm_half(s, root, st.h), len, nt);
+      t3d__shm_post(s, st.base + 2);
     }
-    t3d__shm_post(s, st.base + 2);
   }
   return T3D_OK;
 }
@@ -68,18 +83,19 @@ t3d_result_t t3d__shm_bcast_start(t3d_exec_t *ex, const void *buf, size_t bytes,
   bcast_step_begin(s, bytes, &st);
   rs->h = st.h;
   rs->base = st.base;
+  rs->by_line = 1;
   if (s->rank != root) return T3D_OK;
   T3D_CHECK(t3d__shm_step_acquire(s, ex, &st)); /* free: t3d__shm_bcast_fits checked */
-  t3d__shm_put_info(s, &st, T3D_OP_BROADCAST, bytes, 0);
   memcpy(t3d__shm_half(s, root, st.h), buf, bytes);
-  t3d__shm_post(s, st.base + 2);
+  t3d__shm_put_info(s, &st, T3D_OP_BROADCAST, bytes, 0); /* next to root_post's seq: the line is written at once */
+  root_post(s, &st);
   return t3d__shm_check_peers_op(s, ex, bytes);
 }
 
 t3d_result_t t3d__shm_bcast_finish(t3d_exec_t *ex, const t3d_shm_resume_t *rs, void *buf, size_t bytes, int root) {
   t3d_shm_t *s = t3d__exec_shm(ex);
   t3d_shm_step_t st = {rs->h, rs->base, 0, 1};
-  T3D_CHECK(t3d__shm_wait(s, ex, root, st.base + 1));
+  T3D_CHECK(wait_root(s, ex, &st, root, 0));
   T3D_CHECK(t3d__shm_check_info(s, ex, &st, root, T3D_OP_BROADCAST, bytes));
   memcpy(buf, t3d__shm_half(s, root, st.h), bytes);
   t3d__shm_post(s, st.base + 2);

@@ -188,7 +188,7 @@ t3d_result_t t3d__shm_mapped_alltoall(t3d_shm_t *s, t3d_exec_t *ex, const void *
   if (!*done) return T3D_OK;
   blocks_t c = {s, blk, s->nt && total >= s->nt_min};
   copy_peer_block(&c, s->rank);
-  return finish(s, ex, &st, t3d__shm_wait_each(s, ex, st.base + 1, copy_peer_block, &c));
+  return finish(s, ex, &st, t3d__shm_wait_each(s, ex, st.base + 1, NULL, copy_peer_block, &c));
 }
 
 /* Broadcast: every rank, the root included, copies its slice of the root's buffer into every other rank's buffer

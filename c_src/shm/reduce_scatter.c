@@ -40,7 +40,7 @@ static t3d_result_t rs_publish(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step_
     memcpy(half + (size_t)q * l->P * l->es, sb + (s->offs[q] + lo) * l->es,
            t3d__shm_min_sz(l->P, l->counts[q] - lo) * l->es);
   }
-  t3d__shm_post(s, st->base + 1);
+  t3d__shm_post_arrived(s, st);
   return T3D_OK;
 }
 
@@ -49,7 +49,8 @@ static t3d_result_t rs_fold(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step_t *
                             const char *sb, char *rb, size_t lo, t3d_dtype_t dt, t3d_redop_t op) {
   int me = s->rank;
   if (lo < l->counts[me]) {
-    T3D_CHECK(t3d__shm_wait(s, ex, -1, st->base + 1));
+    t3d_shm_arrival_t a = {st->h, st->base + 1};
+    T3D_CHECK(t3d__shm_wait_line(s, ex, -1, st->base + 1, 0, &a));
     if (lo == 0) T3D_CHECK(t3d__shm_check_all_info(s, ex, st, T3D_OP_REDUCE_SCATTERV, l->total * l->es));
     for (int p = 0; p < s->size; p++) {
       s->srcs[p] = (p == me && l->own_direct) ? sb + (s->offs[me] + lo) * l->es
@@ -115,6 +116,7 @@ t3d_result_t t3d__shm_rs_start(t3d_exec_t *ex, const void *sendbuf, const size_t
   t3d__shm_step_begin(s, 2, &st);
   rs->h = st.h;
   rs->base = st.base;
+  rs->by_line = 1;
   return rs_publish(s, ex, &st, &l, sendbuf, 0);
 }
 

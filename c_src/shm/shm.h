@@ -335,9 +335,19 @@ typedef struct t3d_shm_arrival {
 /* t3d__shm_wait_until, where a rank also counts as there once it shows so as `a` says (NULL: flags only). */
 t3d_result_t t3d__shm_wait_line(t3d_shm_t *s, t3d_exec_t *ex, int who, uint64_t target, uint64_t until,
                                 const t3d_shm_arrival_t *a);
-/* Calls fn for every other rank as soon as it reaches `target` (ranks after this one first). */
+/* Calls fn for every other rank as soon as it reaches `target` (ranks after this one first), or shows so as `a`
+ * says (NULL: flags only). */
 typedef void (*t3d_shm_peer_fn)(void *arg, int peer);
-t3d_result_t t3d__shm_wait_each(t3d_shm_t *s, t3d_exec_t *ex, uint64_t target, t3d_shm_peer_fn fn, void *arg);
+t3d_result_t t3d__shm_wait_each(t3d_shm_t *s, t3d_exec_t *ex, uint64_t target, const t3d_shm_arrival_t *a,
+                               t3d_shm_peer_fn fn, void *arg);
+/* Posts phase 1 of step st, then sets seq of st's info line to it: a reader that waits on that line (arrival
+ * {st->h, st->base + 1}) learns in one line that the phase is posted and what the operation is, instead of
+ * reading the flag's line first (one cross-core transfer fewer per peer). The flag comes first, so that a rank
+ * seen there is also at the phase by its flag. */
+static inline void t3d__shm_post_arrived(t3d_shm_t *s, const t3d_shm_step_t *st) {
+  t3d__shm_post(s, st->base + 1);
+  atomic_store_explicit(&t3d__shm_info(s, s->rank, st->h)->seq, st->base + 1, memory_order_release);
+}
 /* Writes this rank's info line for the half of st (first step of an operation only). */
 void t3d__shm_put_info(t3d_shm_t *s, const t3d_shm_step_t *st, int kind, uint64_t sig, uint64_t aux);
 /* After waiting for peer's first phase: T3D_ERR_MISMATCH (with ex->error) unless it runs the same operation. */

@@ -212,7 +212,7 @@ t3d_result_t t3d__shm_wait_line(t3d_shm_t *s, t3d_exec_t *ex, int who, uint64_t 
                                 const t3d_shm_arrival_t *a) {
   int lo = who < 0 ? 0 : who, hi = who < 0 ? s->size : who + 1;
   int next = lo; /* flags only grow: a rank seen at target stays there */
-  t3d_backoff_t b = {0};
+  t3d_backoff_t b = {.quick = 1};
   for (unsigned it = 1;; it++) {
     int before = next;
     while (next < hi && (next == s->rank || arrived(s, next, target, a, (it & 15) == 0))) next++;
@@ -233,15 +233,16 @@ t3d_result_t t3d__shm_wait_line(t3d_shm_t *s, t3d_exec_t *ex, int who, uint64_t 
   return T3D_OK;
 }
 
-t3d_result_t t3d__shm_wait_each(t3d_shm_t *s, t3d_exec_t *ex, uint64_t target, t3d_shm_peer_fn fn, void *arg) {
+t3d_result_t t3d__shm_wait_each(t3d_shm_t *s, t3d_exec_t *ex, uint64_t target, const t3d_shm_arrival_t *a,
+                               t3d_shm_peer_fn fn, void *arg) {
   int n = s->size, cnt = 0;
   for (int i = 1; i < n; i++) s->pending[cnt++] = (s->rank + i) % n;
-  t3d_backoff_t b = {0};
+  t3d_backoff_t b = {.quick = 1};
   for (unsigned it = 1; cnt > 0; it++) {
     int progressed = 0;
     for (int i = 0; i < cnt;) {
       int p = s->pending[i];
-      if (atomic_load_explicit(t3d__shm_flag(s, p), memory_order_acquire) >= target) {
+      if (arrived(s, p, target, a, (it & 15) == 0)) {
         fn(arg, p);
         /* Keep the order (nearest rank first) for the ones left. */
         memmove(s->pending + i, s->pending + i + 1, sizeof(int) * (size_t)(cnt - i - 1));
@@ -268,10 +269,10 @@ t3d_result_t t3d__shm_wait_each(t3d_shm_t *s, t3d_exec_t *ex, uint64_t target, t
 
 /* The wait between start and finish of every collective that runs in parts (t3d_internal.h). */
 t3d_result_t t3d__shm_start_wait(t3d_exec_t *ex, const t3d_shm_resume_t *rs, int who, uint64_t until) {
-  /* Only a one-shot's start (rs->bytes set) looks beyond the flags: the other starts would pay a miss on a line
-   * that never says more. */
+  /* Only a start whose peers set seq (rs->by_line) looks beyond the flags: the other starts would pay a miss on a
+   * line that never says more. */
   t3d_shm_t *s = t3d__exec_shm(ex);
-  if (rs->bytes == 0) return t3d__shm_wait_line(s, ex, who, rs->base + 1, until, NULL);
+  if (!rs->by_line) return t3d__shm_wait_line(s, ex, who, rs->base + 1, until, NULL);
   t3d_shm_arrival_t a = {rs->h, rs->base + 1};
   return t3d__shm_wait_line(s, ex, who, rs->base + 1, until, &a);
 }

@@ -587,6 +587,57 @@ TEST_P(Coll, Pipelined) {
   });
 }
 
+// Vector forms issued back to back without waiting: a call that cannot finish at once is kept past its return, with
+// the counts and displacements it was given (small groups pass them in the calling frame, which the next call
+// reuses), so each must still run with its own layout.
+TEST_P(Coll, PipelinedVectorForms) {
+  const int n = GetParam();
+  RunRanks(n, [&](int rank, t3d_comm_t *comm) {
+    const int k = 6;
+    std::vector<Buf> ins(k), outs(k), expects(k);
+    std::vector<t3d_request_t *> reqs;
+    for (int i = 0; i < k; ++i) {
+      const size_t base = static_cast<size_t>(1 + 5 * i);
+      std::vector<size_t> counts, displs;
+      const size_t total = AllgathervLayout(n, base, &counts, &displs);
+      ins[i] = Bytes(T3D_INT32, counts[rank]);
+      outs[i] = Bytes(T3D_INT32, i % 2 ? total : counts[rank]);
+      FillPattern(T3D_INT32, rank + 10 * i, ins[i].data(), counts[rank]);
+      t3d_request_t *req = nullptr;
+      t3d_result_t r;
+      if (i % 2) {  // allgatherv with this round's layout
+        expects[i] = Bytes(T3D_INT32, total);
+        for (int q = 0; q < n; ++q) FillPattern(T3D_INT32, q + 10 * i, expects[i].data() + displs[q] * 4, counts[q]);
+        r = t3d_allgatherv(comm, ins[i].data(), counts[rank], outs[i].data(), counts.data(), displs.data(),
+                           T3D_INT32, nullptr, &req);
+      } else {  // reduce_scatterv of a vector of `total` elements into blocks of this round's counts
+        const size_t sum = std::accumulate(counts.begin(), counts.end(), static_cast<size_t>(0));
+        const size_t at = std::accumulate(counts.begin(), counts.begin() + rank, static_cast<size_t>(0));
+        ins[i] = Bytes(T3D_INT32, sum);
+        FillInput(T3D_INT32, T3D_SUM, rank, ins[i].data(), sum);
+        Buf all = Bytes(T3D_INT32, sum);
+        ReferenceReduce(T3D_INT32, T3D_SUM, n, all.data(), sum);
+        expects[i] = Buf(all.begin() + static_cast<long>(at * 4), all.begin() + static_cast<long>((at + counts[rank]) * 4));
+        if (expects[i].empty()) expects[i] = Bytes(T3D_INT32, 0);
+        r = t3d_reduce_scatterv(comm, ins[i].data(), outs[i].data(), counts.data(), T3D_INT32, T3D_SUM, nullptr,
+                                &req);
+      }
+      ASSERT_EQ(r, T3D_OK) << Tag(rank, "pipelined vector form " + std::to_string(i)) << ": "
+                           << t3d_comm_last_error(comm);
+      std::fill(counts.begin(), counts.end(), static_cast<size_t>(1) << 40);  // the caller's arrays are gone
+      std::fill(displs.begin(), displs.end(), static_cast<size_t>(1) << 40);
+      reqs.push_back(req);
+    }
+    for (int i = 0; i < k; ++i) {
+      std::string err;
+      t3d_result_t r = Finish(reqs[i], &err);
+      EXPECT_EQ(r, T3D_OK) << Tag(rank, "pipelined vector form " + std::to_string(i)) << ": " << err;
+      EXPECT_EQ("", ByteDiff(T3D_INT32, outs[i], expects[i]))
+          << Tag(rank, "pipelined vector form " + std::to_string(i));
+    }
+  });
+}
+
 INSTANTIATE_TEST_SUITE_P(World, Coll, ::testing::Values(1, 2, 3, 4, 8), WorldName);
 
 }  // namespace
