@@ -19,12 +19,14 @@ RANGE=()
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl=self,vader
 MPIRUN=(mpirun --oversubscribe --bind-to none -np "$N")
 stamp() { date -u '+%Y-%m-%d %H:%M:%S UTC'; }
+# The CPU each run had: this virtual machine has run on different hosts (an Intel Xeon with AVX-512, an AMD EPYC).
+cpu() { sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -1; }
 load() { cut -d' ' -f1 /proc/loadavg; }
 
 t3d_coll="$(mktemp)"; t3d_p2p="$(mktemp)"; mpi_coll="$(mktemp)"; mpi_p2p="$(mktemp)"
 trap 'rm -f "$t3d_coll" "$t3d_p2p" "$mpi_coll" "$mpi_p2p"' EXIT
 # Each pair runs back to back, t3d first, so that both see the same spell of this shared machine.
-h1="# command: $T3D -n $N -t auto ${RANGE[*]} -o $COLL  ($(stamp), load $(load); blocking calls, as Open MPI's bench times them; the sendrecv section below is from its own run)"
+h1="# command: $T3D -n $N -t auto ${RANGE[*]} -o $COLL  ($(stamp), load $(load), $(cpu); blocking calls, as Open MPI's bench times them; the sendrecv section below is from its own run)"
 "$T3D" -n "$N" -t auto "${RANGE[@]}" -o "$COLL" > "$t3d_coll"
 m1="# command: OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl=self,vader ${MPIRUN[*]} $MPI ${RANGE[*]} -o $COLL  ($(stamp), load $(load); right after the t3d run)"
 "${MPIRUN[@]}" "$MPI" "${RANGE[@]}" -o "$COLL" > "$mpi_coll"
