@@ -26,9 +26,9 @@ static void root_post(t3d_shm_t *s, const t3d_shm_step_t *st) {
   atomic_store_explicit(&t3d__shm_info(s, s->rank, st->h)->seq, st->base + 1, memory_order_release);
 }
 
-static t3d_result_t wait_root(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step_t *st, int root, uint64_t until) {
+static t3d_result_t wait_root(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step_t *st, int root) {
   t3d_shm_arrival_t a = {st->h, st->base + 1};
-  return t3d__shm_wait_line(s, ex, root, st->base + 1, until, &a);
+  return t3d__shm_wait_line(s, ex, root, st->base + 1, 0, &a);
 }
 
 t3d_result_t t3d__shm_broadcast(t3d_exec_t *ex, void *buf, size_t bytes, int root) {
@@ -51,7 +51,7 @@ t3d_result_t t3d__shm_broadcast(t3d_exec_t *ex, void *buf, size_t bytes, int roo
       if (lo == 0) T3D_CHECK(t3d__shm_check_peers_op(s, ex, bytes));
       root_post(s, &st);
     } else {
-      T3D_CHECK(wait_root(s, ex, &st, root, 0));
+      T3D_CHECK(wait_root(s, ex, &st, root));
       if (lo == 0) T3D_CHECK(t3d__shm_check_info(s, ex, &st, root, T3D_OP_BROADCAST, bytes));
       t3d__shm_copy(b + lo, t3d__shm_half(s, root, st.h), len, nt);
       t3d__shm_post(s, st.base + 2);
@@ -95,7 +95,7 @@ t3d_result_t t3d__shm_bcast_start(t3d_exec_t *ex, const void *buf, size_t bytes,
 t3d_result_t t3d__shm_bcast_finish(t3d_exec_t *ex, const t3d_shm_resume_t *rs, void *buf, size_t bytes, int root) {
   t3d_shm_t *s = t3d__exec_shm(ex);
   t3d_shm_step_t st = {rs->h, rs->base, 0, 1};
-  T3D_CHECK(wait_root(s, ex, &st, root, 0));
+  T3D_CHECK(wait_root(s, ex, &st, root));
   T3D_CHECK(t3d__shm_check_info(s, ex, &st, root, T3D_OP_BROADCAST, bytes));
   memcpy(buf, t3d__shm_half(s, root, st.h), bytes);
   t3d__shm_post(s, st.base + 2);
