@@ -64,7 +64,7 @@ static t3d_result_t gather_publish(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_s
 
 /* Copies every peer's piece as soon as it is there, then posts phase 2. */
 static t3d_result_t gather_collect(gather_ctx_t *c) {
-  t3d_shm_arrival_t a = {c->st->h, c->st->base + 1};
+  t3d_shm_arrival_t a = t3d__shm_arrival(c->st);
   T3D_CHECK(t3d__shm_wait_each(c->s, c->ex, c->st->base + 1, &a, gather_from, c));
   T3D_CHECK(c->res);
   t3d__shm_post(c->s, c->st->base + 2);

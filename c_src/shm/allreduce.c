@@ -40,14 +40,14 @@ static t3d_result_t oneshot_publish(t3d_shm_t *s, t3d_exec_t *ex, const void *se
   }
   if (root >= 0 && root != s->rank) {
     /* A non-root of a reduce has nothing to read: it is done with the step, and returns. */
-    atomic_store_explicit(&in->seq, st->base + 1, memory_order_release);
+    t3d__shm_show_arrived(s, st);
     t3d__shm_post(s, st->base + 2);
     return T3D_OK;
   }
   /* Without the fence: this rank waits for its peers next, while the stores leave its core; the fold's post (or
    * t3d__shm_sleep, if it blocks first) checks for sleepers. */
   t3d__shm_post_lazy(s, st->base + 1);
-  if (root != s->rank) atomic_store_explicit(&in->seq, st->base + 1, memory_order_release);
+  if (root != s->rank) t3d__shm_show_arrived(s, st);
   return T3D_OK;
 }
 
@@ -55,7 +55,7 @@ static t3d_result_t oneshot_fold(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_ste
                                  void *recvbuf, size_t count, t3d_dtype_t dt, t3d_redop_t op, int kind) {
   int n = s->size, me = s->rank;
   size_t bytes = count * t3d_dtype_size(dt);
-  t3d_shm_arrival_t a = {st->h, st->base + 1};
+  t3d_shm_arrival_t a = t3d__shm_arrival(st);
   T3D_CHECK(t3d__shm_wait_line(s, ex, -1, st->base + 1, 0, &a));
   for (int p = 0; p < n; p++) {
     if (p == me) {

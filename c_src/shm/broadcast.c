@@ -23,11 +23,11 @@ static int next_small_free(t3d_shm_t *s) {
  * meanwhile. */
 static void root_post(t3d_shm_t *s, const t3d_shm_step_t *st) {
   t3d__shm_post(s, st->base + 2);
-  atomic_store_explicit(&t3d__shm_info(s, s->rank, st->h)->seq, st->base + 1, memory_order_release);
+  t3d__shm_show_arrived(s, st);
 }
 
 static t3d_result_t wait_root(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step_t *st, int root) {
-  t3d_shm_arrival_t a = {st->h, st->base + 1};
+  t3d_shm_arrival_t a = t3d__shm_arrival(st);
   return t3d__shm_wait_line(s, ex, root, st->base + 1, 0, &a);
 }
 

@@ -49,7 +49,7 @@ static t3d_result_t rs_fold(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step_t *
                             const char *sb, char *rb, size_t lo, t3d_dtype_t dt, t3d_redop_t op) {
   int me = s->rank;
   if (lo < l->counts[me]) {
-    t3d_shm_arrival_t a = {st->h, st->base + 1};
+    t3d_shm_arrival_t a = t3d__shm_arrival(st);
     T3D_CHECK(t3d__shm_wait_line(s, ex, -1, st->base + 1, 0, &a));
     if (lo == 0) T3D_CHECK(t3d__shm_check_all_info(s, ex, st, T3D_OP_REDUCE_SCATTERV, l->total * l->es));
     for (int p = 0; p < s->size; p++) {

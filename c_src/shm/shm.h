@@ -340,13 +340,21 @@ t3d_result_t t3d__shm_wait_line(t3d_shm_t *s, t3d_exec_t *ex, int who, uint64_t 
 typedef void (*t3d_shm_peer_fn)(void *arg, int peer);
 t3d_result_t t3d__shm_wait_each(t3d_shm_t *s, t3d_exec_t *ex, uint64_t target, const t3d_shm_arrival_t *a,
                                t3d_shm_peer_fn fn, void *arg);
-/* Posts phase 1 of step st, then sets seq of st's info line to it: a reader that waits on that line (arrival
- * {st->h, st->base + 1}) learns in one line that the phase is posted and what the operation is, instead of
- * reading the flag's line first (one cross-core transfer fewer per peer). The flag comes first, so that a rank
- * seen there is also at the phase by its flag. */
+/* Sets seq of st's info line to phase 1 of st, after the caller posted that phase (or a later one) to its flag: a
+ * reader that waits on that line (t3d__shm_arrival) learns in one line that the phase is posted and what the
+ * operation is, instead of reading the flag's line first (one cross-core transfer fewer per peer). The flag comes
+ * first, so that a rank seen there is also at the phase by its flag. t3d__shm_post_arrived: both. */
+static inline void t3d__shm_show_arrived(t3d_shm_t *s, const t3d_shm_step_t *st) {
+  atomic_store_explicit(&t3d__shm_info(s, s->rank, st->h)->seq, st->base + 1, memory_order_release);
+}
 static inline void t3d__shm_post_arrived(t3d_shm_t *s, const t3d_shm_step_t *st) {
   t3d__shm_post(s, st->base + 1);
-  atomic_store_explicit(&t3d__shm_info(s, s->rank, st->h)->seq, st->base + 1, memory_order_release);
+  t3d__shm_show_arrived(s, st);
+}
+/* What a reader of step st waits for in a peer's info line (t3d__shm_show_arrived). */
+static inline t3d_shm_arrival_t t3d__shm_arrival(const t3d_shm_step_t *st) {
+  t3d_shm_arrival_t a = {st->h, st->base + 1};
+  return a;
 }
 /* Writes this rank's info line for the half of st (first step of an operation only). */
 void t3d__shm_put_info(t3d_shm_t *s, const t3d_shm_step_t *st, int kind, uint64_t sig, uint64_t aux);
