@@ -186,7 +186,8 @@ static void free_counts(size_t *counts, const size_t *frame) {
 t3d_result_t t3d_allgather(t3d_comm_t *comm, const void *sendbuf, void *recvbuf, size_t count, t3d_dtype_t dtype,
                            const t3d_opts_t *opts, t3d_request_t **req) {
   if (comm == NULL) return T3D_ERR_INVALID_ARG;
-  size_t frame[2 * FRAME_RANKS] = {0}, *counts, *displs;
+  size_t frame[2 * FRAME_RANKS], *counts, *displs;
+  t3d__zero(frame, sizeof frame); /* not `= {0}`: t3d__zero's reason */
   T3D_CHECK(equal_counts(comm, count, frame, &counts, &displs));
   t3d_result_t res = t3d_allgatherv(comm, sendbuf, count, recvbuf, counts, displs, dtype, opts, req);
   free_counts(counts, frame);
@@ -241,7 +242,8 @@ t3d_result_t t3d_reduce_scatterv(t3d_comm_t *comm, const void *sendbuf, void *re
 t3d_result_t t3d_reduce_scatter(t3d_comm_t *comm, const void *sendbuf, void *recvbuf, size_t recvcount,
                                 t3d_dtype_t dtype, t3d_redop_t op, const t3d_opts_t *opts, t3d_request_t **req) {
   if (comm == NULL) return T3D_ERR_INVALID_ARG;
-  size_t frame[2 * FRAME_RANKS] = {0}, *counts, *displs;
+  size_t frame[2 * FRAME_RANKS], *counts, *displs;
+  t3d__zero(frame, sizeof frame); /* not `= {0}`: t3d__zero's reason */
   T3D_CHECK(equal_counts(comm, recvcount, frame, &counts, &displs));
   t3d_result_t res = t3d_reduce_scatterv(comm, sendbuf, recvbuf, counts, dtype, op, opts, req);
   free_counts(counts, frame);
@@ -288,7 +290,8 @@ t3d_result_t t3d_alltoallv(t3d_comm_t *comm, const void *sendbuf, const size_t *
 t3d_result_t t3d_alltoall(t3d_comm_t *comm, const void *sendbuf, void *recvbuf, size_t count, t3d_dtype_t dtype,
                           const t3d_opts_t *opts, t3d_request_t **req) {
   if (comm == NULL) return T3D_ERR_INVALID_ARG;
-  size_t frame[2 * FRAME_RANKS] = {0}, *counts, *displs;
+  size_t frame[2 * FRAME_RANKS], *counts, *displs;
+  t3d__zero(frame, sizeof frame); /* not `= {0}`: t3d__zero's reason */
   T3D_CHECK(equal_counts(comm, count, frame, &counts, &displs));
   t3d_result_t res = alltoallv(comm, "t3d_alltoall", sendbuf, counts, displs, recvbuf, counts, displs, dtype, opts,
                                req, 1);

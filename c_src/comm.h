@@ -34,8 +34,7 @@ struct t3d_request {
   const struct t3d_provider *prov; /* what runs it (core/select.c); NULL for a group */
   t3d_result_t result;
   char *errmsg;
-  pthread_mutex_t mu; /* guards cb, waiters, errmsg publication */
-  pthread_cond_t cv;
+  atomic_int hooks; /* threads asleep on cv, plus one once a callback is set: only then does completion take mu */
   t3d_callback_t cb;
   void *cb_arg;
   /* what the operation does */
@@ -77,6 +76,10 @@ struct t3d_request {
   t3d_result_t first_child_error;
   /* queue or active-list link */
   struct t3d_request *next;
+  /* Last, and left alone by t3d__request_prepare: a request that a thread's cache hands out again keeps them set up
+   * (base/request.c). */
+  pthread_mutex_t mu; /* guards cb and the sleep on cv */
+  pthread_cond_t cv;
 };
 
 typedef struct t3d_nccl t3d_nccl_t;

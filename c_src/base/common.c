@@ -42,6 +42,8 @@ void t3d__host_identity(char *buf, size_t len) {
   snprintf(buf, len, "%s/%s", host, boot);
 }
 
+void t3d__zero(void *p, size_t n) { memset(p, 0, n); }
+
 uint64_t t3d__now_ns(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);

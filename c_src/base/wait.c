@@ -98,7 +98,10 @@ int t3d__backoff_poll_running(t3d_backoff_t *b) {
   return running_step(&b->since, &b->spun, pauses_of(b));
 }
 
-int t3d__backoff_poll_running_since(uint64_t *since) { return running_step(since, NULL, T3D_SPIN_PAUSES); }
+int t3d__backoff_poll_p2p(uint64_t *since, int running) {
+  if (running) return running_step(since, NULL, 1);
+  return backoff_step(since, (uint64_t)budget(&spin_ns, T3D_PARAM_SPIN_NS), NULL, 1);
+}
 
 int t3d__cores_filled(void) { return atomic_load_explicit(&spin_ns, memory_order_relaxed) == 0; }
 

@@ -97,21 +97,25 @@ t3d_result_t t3d__submit(t3d_comm_t *comm, t3d_request_t *r, t3d_request_t **out
     t3d__request_release(r);
     return res;
   }
-  pthread_mutex_lock(&comm->mu);
-  /* Sequence numbers are given at issue time: every rank issues collectives in the same order, so they agree. */
-  if (coll) r->seq = ++comm->coll_seq;
+  /* The open group, like the group depth, belongs to the calling thread; the mutex guards the collectives' sequence
+   * and the engine's queue, which what joins a group or is posted here does not touch. */
+  int here = t3d__is_posted(r) && r->prov->post_on_caller;
+  if (coll) {
+    pthread_mutex_lock(&comm->mu);
+    /* Sequence numbers are given at issue time: every rank issues collectives in the same order, so they agree. */
+    r->seq = ++comm->coll_seq;
+    if (comm->group_depth > 0 || here) pthread_mutex_unlock(&comm->mu);
+  }
   if (comm->group_depth > 0) {
-    pthread_mutex_unlock(&comm->mu);
     r->next_child = NULL;
     if (comm->group_tail != NULL) comm->group_tail->next_child = r;
     else comm->group_head = r;
     comm->group_tail = r;
     return T3D_OK;
   }
-  if (t3d__is_posted(r) && r->prov->post_on_caller) {
+  if (here) {
     /* Posted here, on the caller's thread, in issue order (same-host point-to-point; NCCL enqueues on the caller's
      * stream at once). An error is the call's, and no request is handed out. */
-    pthread_mutex_unlock(&comm->mu);
     t3d_result_t res = r->prov->post(comm, &r, 1, 0);
     if (res < 0) {
       *out = NULL;
@@ -120,6 +124,7 @@ t3d_result_t t3d__submit(t3d_comm_t *comm, t3d_request_t *r, t3d_request_t **out
     }
     return T3D_OK;
   }
+  if (!coll) pthread_mutex_lock(&comm->mu);
   /* A small collective on an idle engine starts on the caller's thread: two thread hand-offs cost more than the
    * operation. */
   if (coll && comm->q_head == NULL && !comm->busy && may_start(comm, r)) {
@@ -189,11 +194,17 @@ t3d_result_t t3d_group_end(t3d_comm_t *comm, t3d_request_t **req) {
     n++;
     nposted += t3d__is_posted(c) && c->prov->post_on_caller;
   }
-  t3d_request_t **posted = nposted > 0 ? malloc(sizeof *posted * (size_t)nposted) : NULL;
-  t3d_request_t **batch = nposted > 0 ? malloc(sizeof *batch * (size_t)nposted) : NULL;
-  if (nposted > 0 && (posted == NULL || batch == NULL)) {
-    free(posted);
-    free(batch);
+  /* A small group's lists live in this frame (a ring shift's send and receive allocate nothing more here). */
+  enum { FRAME_POSTED = 8 };
+  t3d_request_t *frame[2 * FRAME_POSTED];
+  int on_heap = nposted > FRAME_POSTED;
+  t3d_request_t **posted = on_heap ? malloc(sizeof *posted * (size_t)nposted) : frame;
+  t3d_request_t **batch = on_heap ? malloc(sizeof *batch * (size_t)nposted) : frame + FRAME_POSTED;
+  if (posted == NULL || batch == NULL) {
+    if (on_heap) {
+      free(posted);
+      free(batch);
+    }
     t3d__request_release(g);
     t3d__request_release(g);
     return t3d__set_error(comm, T3D_ERR_NO_MEMORY, "t3d_group_end: out of memory on rank %d", comm->rank);
@@ -221,8 +232,10 @@ t3d_result_t t3d_group_end(t3d_comm_t *comm, t3d_request_t **req) {
     }
     if (k > 0) (*p)->post(comm, batch, k, 1);
   }
-  free(posted);
-  free(batch);
+  if (on_heap) {
+    free(posted);
+    free(batch);
+  }
   if (g->children != NULL) {
     t3d__enqueue(comm, g);
   } else if (atomic_fetch_sub(&g->pending_children, 1) == 1) {

@@ -16,6 +16,7 @@ typedef struct {
   const size_t *counts, *displs;
   size_t es, lo, total;
   int nt, direct; /* direct: read the block from the owner's buffer (single copy) */
+  int inl;        /* the blocks travel in the info lines (gather_inline) */
   t3d_result_t res;
 } gather_ctx_t;
 
@@ -24,6 +25,10 @@ static void gather_from(void *arg, int p) {
   size_t blk = c->counts[p] * c->es;
   if (c->lo == 0 && c->res == T3D_OK) c->res = t3d__shm_check_info(c->s, c->ex, c->st, p, T3D_OP_ALLGATHERV, c->total);
   if (c->res != T3D_OK || c->lo >= blk) return;
+  if (c->inl) {
+    memcpy(c->rb + c->displs[p] * c->es, t3d__shm_inline_data(c->s, p, c->st->h), blk);
+    return;
+  }
   if (c->direct) {
     const t3d_shm_info_t *in = t3d__shm_info(c->s, p, c->st->h);
     c->res = t3d__shm_read_peer(c->s, c->ex, p, (int)in->pid, c->rb + c->displs[p] * c->es, in->addr, blk);
@@ -43,6 +48,11 @@ static size_t gather_total(int n, const size_t *counts, size_t es, size_t *maxb)
   return total;
 }
 
+/* Blocks of at most T3D_SHM_INLINE_DATA bytes each travel in their owner's info line, as a small one-shot
+ * allreduce's vectors do (allreduce.c): a reader finds that the step is posted, what it is and the block in one
+ * line. Every rank knows every block's size, so all decide alike. */
+static int gather_inline(size_t maxb) { return maxb <= T3D_SHM_INLINE_DATA; }
+
 /* In place (sendbuf NULL, equal to recvbuf, or already our block): the block is where it belongs. */
 static char *gather_own(t3d_shm_t *s, const void *sendbuf, void *recvbuf, size_t mine, size_t displ) {
   char *own = (char *)recvbuf + displ;
@@ -50,9 +60,18 @@ static char *gather_own(t3d_shm_t *s, const void *sendbuf, void *recvbuf, size_t
   return own;
 }
 
-/* Step begun: writes this rank's piece [lo, lo + half) of its block into its half and posts phase 1. */
+/* Step begun: writes this rank's piece [lo, lo + half) of its block into its half (inl: its whole block into its
+ * info line) and posts phase 1. */
 static t3d_result_t gather_publish(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step_t *st, const char *own,
-                                   size_t mine, size_t lo, size_t total) {
+                                   size_t mine, size_t lo, size_t total, int inl) {
+  if (inl) {
+    T3D_CHECK(t3d__shm_step_acquire(s, ex, st));
+    t3d__shm_put_inline(s, st, T3D_OP_ALLGATHERV, total, own, mine);
+    /* Without the fence, as the one-shot allreduce: gather_collect's post of phase 2 checks for sleepers. */
+    t3d__shm_post_lazy(s, st->base + 1);
+    t3d__shm_show_arrived(s, st);
+    return T3D_OK;
+  }
   if (lo == 0 || lo < mine) {
     T3D_CHECK(t3d__shm_step_acquire(s, ex, st));
     if (lo == 0) t3d__shm_put_info(s, st, T3D_OP_ALLGATHERV, total, 0);
@@ -72,8 +91,9 @@ static t3d_result_t gather_collect(gather_ctx_t *c) {
 }
 
 static gather_ctx_t gather_ctx(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step_t *st, void *recvbuf,
-                               const size_t *counts, const size_t *displs, size_t es, size_t lo, size_t total) {
-  gather_ctx_t c = {s, ex, st, recvbuf, counts, displs, es, lo, total, s->nt && total >= s->nt_min, 0, T3D_OK};
+                               const size_t *counts, const size_t *displs, size_t es, size_t lo, size_t total,
+                               int inl) {
+  gather_ctx_t c = {s, ex, st, recvbuf, counts, displs, es, lo, total, s->nt && total >= s->nt_min, 0, inl, T3D_OK};
   return c;
 }
 
@@ -103,7 +123,7 @@ static t3d_result_t gather_direct_publish(t3d_shm_t *s, t3d_exec_t *ex, t3d_shm_
  * rank's block (t3d__shm_direct_end). */
 static t3d_result_t gather_direct_collect(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step_t *st, void *recvbuf,
                                           const size_t *counts, const size_t *displs, size_t es, size_t total) {
-  gather_ctx_t c = gather_ctx(s, ex, st, recvbuf, counts, displs, es, 0, total);
+  gather_ctx_t c = gather_ctx(s, ex, st, recvbuf, counts, displs, es, 0, total, 0);
   c.direct = 1;
   T3D_CHECK(t3d__shm_wait_each(s, ex, st->base + 1, NULL, gather_from, &c));
   return t3d__shm_direct_end(s, ex, st->base + 2, c.res);
@@ -129,8 +149,8 @@ t3d_result_t t3d__shm_allgatherv(t3d_exec_t *ex, const void *sendbuf, void *recv
   for (size_t lo = 0; lo < maxb; lo += s->half) {
     t3d_shm_step_t st;
     t3d__shm_step_begin(s, 2, &st);
-    T3D_CHECK(gather_publish(s, ex, &st, own, mine, lo, total));
-    gather_ctx_t c = gather_ctx(s, ex, &st, recvbuf, bytes, displs_bytes, 1, lo, total);
+    T3D_CHECK(gather_publish(s, ex, &st, own, mine, lo, total, gather_inline(maxb)));
+    gather_ctx_t c = gather_ctx(s, ex, &st, recvbuf, bytes, displs_bytes, 1, lo, total, gather_inline(maxb));
     T3D_CHECK(gather_collect(&c));
   }
   return T3D_OK;
@@ -156,7 +176,7 @@ t3d_result_t t3d__shm_gather_start(t3d_exec_t *ex, const void *sendbuf, void *re
     size_t mine = counts[s->rank] * es;
     const char *own = gather_own(s, sendbuf, recvbuf, mine, displs[s->rank] * es);
     t3d__shm_step_begin(s, 2, &st);
-    res = gather_publish(s, ex, &st, own, mine, 0, total);
+    res = gather_publish(s, ex, &st, own, mine, 0, total, gather_inline(maxb));
     rs->by_line = 1;
   }
   rs->h = st.h;
@@ -170,6 +190,6 @@ t3d_result_t t3d__shm_gather_finish(t3d_exec_t *ex, const t3d_shm_resume_t *rs, 
   size_t maxb, total = gather_total(s->size, counts, es, &maxb);
   t3d_shm_step_t st = {rs->h, rs->base, 0, 1};
   if (t3d__shm_use_direct(s, maxb)) return gather_direct_collect(s, ex, &st, recvbuf, counts, displs, es, total);
-  gather_ctx_t c = gather_ctx(s, ex, &st, recvbuf, counts, displs, es, 0, total);
+  gather_ctx_t c = gather_ctx(s, ex, &st, recvbuf, counts, displs, es, 0, total, gather_inline(maxb));
   return gather_collect(&c);
 }

@@ -25,14 +25,11 @@ static int oneshot_mode(size_t bytes) { return bytes <= T3D_SHM_INLINE_DATA ? ON
 static t3d_result_t oneshot_publish(t3d_shm_t *s, t3d_exec_t *ex, const void *sendbuf, size_t bytes, int root,
                                     int kind, t3d_shm_step_t *st) {
   t3d__shm_step_begin(s, 2, st);
-  t3d_shm_info_t *in = t3d__shm_info(s, s->rank, st->h);
   /* The root of a reduce reads its own input in place; everybody else publishes it. */
   if (root != s->rank) {
     T3D_CHECK(t3d__shm_step_acquire(s, ex, st));
     if (oneshot_mode(bytes) == ONESHOT_INLINE) {
-      in->kind = t3d__shm_info_kind(s, kind);
-      in->sig = bytes;
-      memcpy(t3d__shm_inline_data(s, s->rank, st->h), sendbuf, bytes);
+      t3d__shm_put_inline(s, st, kind, bytes, sendbuf, bytes);
     } else {
       t3d__shm_put_info(s, st, kind, bytes, 0);
       memcpy(t3d__shm_half(s, s->rank, st->h), sendbuf, bytes);

@@ -12,6 +12,25 @@ static void bcast_step_begin(t3d_shm_t *s, size_t bytes, t3d_shm_step_t *st) {
   else t3d__shm_step_begin(s, 2, st);
 }
 
+/* A broadcast of at most T3D_SHM_INLINE_DATA bytes travels in the root's info line of its slot, which its readers
+ * wait on anyway: one line crosses per reader instead of two (allreduce.c's one-shot does the same). */
+static int bcast_inline(size_t bytes) { return bytes <= T3D_SHM_INLINE_DATA; }
+
+/* The root's writes of a step: [lo, lo + len) of the buffer into its half, and its info line on the first step. */
+static void root_write(t3d_shm_t *s, const t3d_shm_step_t *st, const char *b, size_t lo, size_t len, size_t bytes) {
+  if (bcast_inline(bytes)) {
+    t3d__shm_put_inline(s, st, T3D_OP_BROADCAST, bytes, b, bytes);
+    return;
+  }
+  memcpy(t3d__shm_half(s, s->rank, st->h), b + lo, len);
+  if (lo == 0) t3d__shm_put_info(s, st, T3D_OP_BROADCAST, bytes, 0); /* next to root_post's seq: written at once */
+}
+
+/* Where a reader finds the root's data of step st. */
+static const char *root_data(t3d_shm_t *s, const t3d_shm_step_t *st, int root, size_t bytes) {
+  return bcast_inline(bytes) ? t3d__shm_inline_data(s, root, st->h) : t3d__shm_half(s, root, st->h);
+}
+
 /* t3d__shm_next_half_free for the next small slot. */
 static int next_small_free(t3d_shm_t *s) {
   return t3d__shm_all_past(s, s->free_small[s->small_steps % T3D_SHM_SMALL_SLOTS]);
@@ -46,14 +65,13 @@ t3d_result_t t3d__shm_broadcast(t3d_exec_t *ex, void *buf, size_t bytes, int roo
     bcast_step_begin(s, bytes, &st);
     if (s->rank == root) {
       T3D_CHECK(t3d__shm_step_acquire(s, ex, &st));
-      if (lo == 0) t3d__shm_put_info(s, &st, T3D_OP_BROADCAST, bytes, 0);
-      memcpy(t3d__shm_half(s, root, st.h), b + lo, len);
+      root_write(s, &st, b, lo, len, bytes);
       if (lo == 0) T3D_CHECK(t3d__shm_check_peers_op(s, ex, bytes));
       root_post(s, &st);
     } else {
       T3D_CHECK(wait_root(s, ex, &st, root));
       if (lo == 0) T3D_CHECK(t3d__shm_check_info(s, ex, &st, root, T3D_OP_BROADCAST, bytes));
-      t3d__shm_copy(b + lo, t3d__shm_half(s, root, st.h), len, nt);
+      t3d__shm_copy(b + lo, root_data(s, &st, root, bytes), len, nt);
       t3d__shm_post(s, st.base + 2);
     }
   }
@@ -69,7 +87,8 @@ void t3d__shm_bcast_warm(t3d_shm_t *s, size_t bytes) {
   int h = 2 + (int)(s->small_steps % T3D_SHM_SMALL_SLOTS);
   t3d__shm_prefetch_write(t3d__shm_info(s, s->rank, h));
   const char *slot = t3d__shm_half(s, s->rank, h);
-  for (size_t off = 0; off < bytes && off < 4 * 64; off += 64) t3d__shm_prefetch_write(slot + off);
+  for (size_t off = 0; !bcast_inline(bytes) && off < bytes && off < 4 * 64; off += 64)
+    t3d__shm_prefetch_write(slot + off);
 }
 
 int t3d__shm_bcast_fits(t3d_shm_t *s, size_t bytes, int root) {
@@ -86,8 +105,7 @@ t3d_result_t t3d__shm_bcast_start(t3d_exec_t *ex, const void *buf, size_t bytes,
   rs->by_line = 1;
   if (s->rank != root) return T3D_OK;
   T3D_CHECK(t3d__shm_step_acquire(s, ex, &st)); /* free: t3d__shm_bcast_fits checked */
-  memcpy(t3d__shm_half(s, root, st.h), buf, bytes);
-  t3d__shm_put_info(s, &st, T3D_OP_BROADCAST, bytes, 0); /* next to root_post's seq: the line is written at once */
+  root_write(s, &st, buf, 0, bytes, bytes);
   root_post(s, &st);
   return t3d__shm_check_peers_op(s, ex, bytes);
 }
@@ -97,7 +115,7 @@ t3d_result_t t3d__shm_bcast_finish(t3d_exec_t *ex, const t3d_shm_resume_t *rs, v
   t3d_shm_step_t st = {rs->h, rs->base, 0, 1};
   T3D_CHECK(wait_root(s, ex, &st, root));
   T3D_CHECK(t3d__shm_check_info(s, ex, &st, root, T3D_OP_BROADCAST, bytes));
-  memcpy(buf, t3d__shm_half(s, root, st.h), bytes);
+  memcpy(buf, root_data(s, &st, root, bytes), bytes);
   t3d__shm_post(s, st.base + 2);
   return T3D_OK;
 }

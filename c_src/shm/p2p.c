@@ -1,7 +1,7 @@
 /* shm/p2p.c: point-to-point between the ranks of a communicator that shares a host, without the progress thread.
  *
  * Every ordered pair (sender, receiver) has a ring of fixed slots in the communicator's segment: the sender alone
- * writes slots and the ring's head, the receiver alone its tail. A message of at most `eager` bytes travels inside
+ * writes slots (each with its message's sequence number, last), the receiver alone the ring's tail. A message of at most `eager` bytes travels inside
  * its slot; a longer one sends only a header naming the sender's buffer (rendezvous), and the receiver copies it
  * straight from the sender's memory with process_vm_readv (one copy; cross-memory attach), then marks the
  * sender's record for that message done. Receivers move messages that match no posted receive to a private
@@ -37,25 +37,32 @@ enum { MSG_EAGER = 1, MSG_RENDEZVOUS = 2 };
 enum { REC_IDLE = 0, REC_POSTED = 1, REC_READING = 2, REC_DONE = 3 };
 #define REC_WORD(gen, st) (((gen) << 2) | (uint64_t)(st))
 
+/* A slot's first line. The receiver learns that a message arrived from `seq` alone, in the same line as the header
+ * and a short message's payload: one line crosses between the cores per small message (measured below, "ring"). */
 typedef struct slot_hdr {
-  int64_t tag;
-  uint64_t len;  /* the message's length */
-  uint64_t addr; /* rendezvous: the sender's buffer, in the sender's address space */
-  uint64_t gen;  /* rendezvous: the record's generation */
+  _Atomic uint64_t seq; /* i + 1 once the slot holds the ring's message i (the sender's release store, last) */
+  uint64_t len;         /* the message's length */
+  int32_t tag;          /* tags are below 2^30 (T3D_MAX_TAG) */
   uint32_t kind;
-  uint32_t rec; /* rendezvous: the sender's record */
   int32_t pid;  /* rendezvous: the sender's process */
-  uint32_t pad;
-  uint64_t mkey; /* rendezvous from t3d memory (mem.c): the allocation's key and the buffer's offset in it; else 0 */
-  uint64_t moff;
+  uint32_t rec; /* rendezvous: the sender's record */
+  union {
+    struct {
+      uint64_t addr; /* rendezvous: the sender's buffer, in the sender's address space */
+      uint64_t gen;  /* rendezvous: the record's generation */
+      uint64_t mkey; /* rendezvous from t3d memory (mem.c): the allocation's key and the buffer's offset in it; else 0 */
+      uint64_t moff;
+    };
+    unsigned char inline_data[32]; /* an eager message of at most SLOT_INLINE bytes; longer ones follow the line */
+  };
 } slot_hdr_t;
 _Static_assert(sizeof(slot_hdr_t) == 64, "a slot header is one cache line");
+#define SLOT_INLINE sizeof(((slot_hdr_t *)0)->inline_data)
 
+/* The receiver's side of a ring. The sender reads `tail` only when its own count says the ring may be full. */
 typedef struct ring_ctl {
-  _Atomic uint64_t head; /* messages published (sender) */
-  char pad1[56];
   _Atomic uint64_t tail; /* messages consumed (receiver) */
-  char pad2[56];
+  char pad[56];
 } ring_ctl_t;
 
 /* Each rank's doorbell: a waiter with nothing left to do sleeps on `bell` (futex); a rank that publishes a message
@@ -89,6 +96,7 @@ struct t3d_shm_p2p {
   t3d_request_t **sendq_head, **sendq_tail; /* per peer: sends not yet in the ring, oldest first */
   int queued;                               /* sends in those queues */
   uint64_t *head;                           /* per peer: messages this rank published to it */
+  uint64_t *tail_seen;                      /* per peer: its ring's tail when this rank last read it */
   t3d_request_t *rdv;                       /* rendezvous sends awaiting the reader */
   uint64_t *rec_gen;                        /* per record: its generation */
   uint32_t *free_recs;
@@ -178,12 +186,13 @@ static t3d_result_t p2p_new(t3d_comm_t *comm, t3d_shm_t *s, char *region, size_t
   p->sendq_head = calloc((size_t)n, sizeof *p->sendq_head);
   p->sendq_tail = calloc((size_t)n, sizeof *p->sendq_tail);
   p->head = calloc((size_t)n, sizeof *p->head);
+  p->tail_seen = calloc((size_t)n, sizeof *p->tail_seen);
   p->tail = calloc((size_t)n, sizeof *p->tail);
   p->want = calloc((size_t)n, sizeof *p->want);
   p->rec_gen = calloc(T3D_SHM_P2P_RECORDS, sizeof *p->rec_gen);
   p->free_recs = malloc(T3D_SHM_P2P_RECORDS * sizeof *p->free_recs);
-  if (p->sendq_head == NULL || p->sendq_tail == NULL || p->head == NULL || p->tail == NULL || p->want == NULL ||
-      p->rec_gen == NULL || p->free_recs == NULL) {
+  if (p->sendq_head == NULL || p->sendq_tail == NULL || p->head == NULL || p->tail_seen == NULL || p->tail == NULL ||
+      p->want == NULL || p->rec_gen == NULL || p->free_recs == NULL) {
     t3d__shm_p2p_free(p);
     return T3D_ERR_NO_MEMORY;
   }
@@ -204,6 +213,7 @@ void t3d__shm_p2p_free(t3d_shm_p2p_t *p) {
   free(p->sendq_head);
   free(p->sendq_tail);
   free(p->head);
+  free(p->tail_seen);
   free(p->tail);
   free(p->want);
   free(p->rec_gen);
@@ -276,15 +286,19 @@ static int try_write(t3d_shm_p2p_t *p, done_list_t *d, t3d_request_t *r) {
   char *rg = ring(p, p->rank, dst);
   ring_ctl_t *ctl = (ring_ctl_t *)(void *)rg;
   uint64_t h = p->head[dst];
-  if (h - atomic_load_explicit(&ctl->tail, memory_order_acquire) >= p->slots) return 0;
+  if (h - p->tail_seen[dst] >= p->slots) {
+    /* Acquire: the receiver is done with the slots it has released. */
+    p->tail_seen[dst] = atomic_load_explicit(&ctl->tail, memory_order_acquire);
+    if (h - p->tail_seen[dst] >= p->slots) return 0;
+  }
   size_t len = r->count * t3d_dtype_size(r->dtype);
   slot_hdr_t *sh = slot(p, rg, h);
-  sh->tag = r->tag;
+  sh->tag = (int32_t)r->tag;
   sh->len = len;
   if (len <= p->eager) {
     sh->kind = MSG_EAGER;
-    if (len > 0) memcpy(sh + 1, r->sendbuf, len);
-    atomic_store_explicit(&ctl->head, h + 1, memory_order_release);
+    if (len > 0) memcpy(len <= SLOT_INLINE ? (void *)sh->inline_data : (void *)(sh + 1), r->sendbuf, len);
+    atomic_store_explicit(&sh->seq, h + 1, memory_order_release);
     p->head[dst] = h + 1;
     ring_bell(p, dst);
     finish(p, d, r, T3D_OK, NULL);
@@ -302,7 +316,7 @@ static int try_write(t3d_shm_p2p_t *p, done_list_t *d, t3d_request_t *r) {
   sh->mkey = 0;
   if (p->shm->mapped_min == 0 || len < p->shm->mapped_min || !t3d__mem_find(r->sendbuf, len, &sh->mkey, &sh->moff))
     sh->mkey = 0;
-  atomic_store_explicit(&ctl->head, h + 1, memory_order_release); /* orders the record's POSTED too */
+  atomic_store_explicit(&sh->seq, h + 1, memory_order_release); /* orders the record's POSTED too */
   p->head[dst] = h + 1;
   ring_bell(p, dst);
   r->shm_rec = rec;
@@ -434,16 +448,20 @@ static void unlink_recv(t3d_shm_p2p_t *p, t3d_request_t **link, t3d_request_t *p
   else p->want[r->root]--;
 }
 
+static const void *payload(const slot_hdr_t *sh) {
+  return sh->len <= SLOT_INLINE ? (const void *)sh->inline_data : (const void *)(sh + 1);
+}
+
 /* Consumes every message waiting in src's ring: into the oldest posted receive that accepts it, or the unexpected
  * queue. */
 static int scan_ring(t3d_shm_p2p_t *p, done_list_t *d, int src) {
   char *rg = ring(p, src, p->rank);
   ring_ctl_t *ctl = (ring_ctl_t *)(void *)rg;
   uint64_t t = p->tail[src];
-  uint64_t h = atomic_load_explicit(&ctl->head, memory_order_acquire);
   int n = 0;
-  for (; t < h; t++, n++) {
+  for (;; t++, n++) {
     const slot_hdr_t *sh = slot(p, rg, t);
+    if (atomic_load_explicit(&sh->seq, memory_order_acquire) != t + 1) break;
     t3d_request_t **link = &p->recvs, *prev = NULL;
     while (*link != NULL && !accepts(*link, src, sh->tag)) {
       prev = *link;
@@ -452,7 +470,7 @@ static int scan_ring(t3d_shm_p2p_t *p, done_list_t *d, int src) {
     if (*link != NULL) {
       t3d_request_t *r = *link;
       unlink_recv(p, link, prev);
-      deliver(p, d, r, src, sh, sh + 1);
+      deliver(p, d, r, src, sh, payload(sh));
     } else {
       unexp_t *u = calloc(1, sizeof *u);
       if (u != NULL && sh->kind == MSG_EAGER && sh->len > 0) {
@@ -464,8 +482,8 @@ static int scan_ring(t3d_shm_p2p_t *p, done_list_t *d, int src) {
       }
       if (u == NULL) break; /* out of memory: leave it in the ring and try again later */
       u->src = src;
-      u->h = *sh;
-      if (u->data != NULL) memcpy(u->data, sh + 1, (size_t)sh->len);
+      memcpy(&u->h, sh, sizeof u->h); /* the slot stays as it is until the tail passes it */
+      if (u->data != NULL) memcpy(u->data, payload(sh), (size_t)sh->len);
       if (p->unexp_tail != NULL) p->unexp_tail->next = u;
       else p->unexp = u;
       p->unexp_tail = u;
@@ -574,8 +592,9 @@ static void expire(t3d_shm_p2p_t *p, done_list_t *d, uint64_t now, int aborted) 
   reap_rdv(p, d, now, aborted);
 }
 
-/* One pass with mu held: queued sends into rings, rings into receives, finished rendezvous, deadlines. */
-static int pass(t3d_shm_p2p_t *p, done_list_t *d) {
+/* One pass with mu held: queued sends into rings, rings into receives, finished rendezvous, deadlines. now: the
+ * time, when the caller has just read it, else 0. */
+static int pass(t3d_shm_p2p_t *p, done_list_t *d, uint64_t now) {
   int before = atomic_load_explicit(&p->active, memory_order_relaxed);
   if (p->queued > 0) drain_sendq(p, d);
   if (p->want_any > 0) {
@@ -588,7 +607,7 @@ static int pass(t3d_shm_p2p_t *p, done_list_t *d) {
   }
   int aborted = atomic_load(&p->comm->aborted);
   if (p->rdv != NULL || aborted || p->recvs != NULL || p->queued > 0) {
-    uint64_t now = t3d__now_ns();
+    if (now == 0) now = t3d__now_ns();
     expire(p, d, now, aborted); /* also completes finished rendezvous sends */
     if (!aborted) fail_lost_peers(p, d, now);
   }
@@ -610,7 +629,7 @@ void t3d__shm_p2p_post(t3d_shm_p2p_t *p, t3d_request_t **reqs, int n) {
     else if (r->kind == T3D_OP_SEND) post_send(p, &d, r);
     else post_recv(p, &d, r);
   }
-  pass(p, &d);
+  pass(p, &d, now);
   pthread_mutex_unlock(&p->mu);
   complete_all(&d);
 }
@@ -620,7 +639,7 @@ static int try_pass(t3d_shm_p2p_t *p, int *ran) {
   *ran = pthread_mutex_trylock(&p->mu) == 0;
   if (!*ran) return 0;
   done_list_t d = {NULL};
-  int n = pass(p, &d);
+  int n = pass(p, &d, 0);
   pthread_mutex_unlock(&p->mu);
   complete_all(&d);
   return n;

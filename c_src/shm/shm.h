@@ -358,6 +358,15 @@ static inline t3d_shm_arrival_t t3d__shm_arrival(const t3d_shm_step_t *st) {
 }
 /* Writes this rank's info line for the half of st (first step of an operation only). */
 void t3d__shm_put_info(t3d_shm_t *s, const t3d_shm_step_t *st, int kind, uint64_t sig, uint64_t aux);
+/* Writes this rank's info line for st with len <= T3D_SHM_INLINE_DATA bytes of data in it, in place of aux, addr
+ * and pid (t3d__shm_inline_data): a step small enough to travel in one line per rank. */
+static inline void t3d__shm_put_inline(t3d_shm_t *s, const t3d_shm_step_t *st, int kind, uint64_t sig,
+                                       const void *data, size_t len) {
+  t3d_shm_info_t *in = t3d__shm_info(s, s->rank, st->h);
+  in->kind = t3d__shm_info_kind(s, kind);
+  in->sig = sig;
+  if (len > 0) memcpy(t3d__shm_inline_data(s, s->rank, st->h), data, len);
+}
 /* After waiting for peer's first phase: T3D_ERR_MISMATCH (with ex->error) unless it runs the same operation. */
 t3d_result_t t3d__shm_check_info(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step_t *st, int peer, int kind,
                                  uint64_t sig);
