@@ -436,6 +436,69 @@ TEST(P2P, CallbackCalledExactlyOnce) {
   });
 }
 
+// Callbacks set while another thread completes the requests: each is called exactly once, whichever side wins.
+// Completion takes a request's mutex only when it sees a sleeper or a callback's setter (base/request.c, hooks); a
+// lost race would leave a callback never called. Rank 1 posts every receive, a second thread of it keeps running
+// passes (each t3d_test runs one), and rank 0 (a thread of the same process here) sends message i only once rank 1
+// is about to set callback i, so that the completion and the setting meet. (That window is a few instructions
+// wide: the test catches a completion that never looks for callbacks at once, an ordering slip only by chance.)
+TEST(P2P, CallbackSetWhileAnotherThreadCompletes) {
+  const int kMsgs = 2000;
+  static std::atomic<int> next_callback;
+  next_callback.store(-1);
+  RunRanks(2, [kMsgs](int rank, t3d_comm_t *comm) {
+    if (rank == 0) {
+      if (!HostBarrier()) return;  // rank 1 has posted every receive
+      std::vector<int32_t> vals(kMsgs);
+      auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(TestTimeoutMs() / 2);
+      for (int i = 0; i < kMsgs; ++i) {
+        while (next_callback.load() < i && std::chrono::steady_clock::now() < until) std::this_thread::yield();
+        vals[i] = i;
+        ASSERT_TRUE(RunOk(comm, "send", [&](t3d_request_t **q) {
+          return t3d_send(comm, &vals[i], 1, T3D_INT32, 1, i, nullptr, q);
+        }));
+      }
+      HostBarrier();
+      return;
+    }
+    std::vector<int32_t> in(kMsgs, -1);
+    std::vector<t3d_request_t *> reqs(kMsgs, nullptr);
+    for (int i = 0; i < kMsgs; ++i) T3D_ASSERT_OK(comm, t3d_recv(comm, &in[i], 1, T3D_INT32, 0, i, nullptr, &reqs[i]));
+    std::atomic<bool> stop{false};
+    std::thread driver([&] {
+      while (!stop.load()) t3d_test(reqs[kMsgs - 1]);
+    });
+    std::vector<CallbackLog> logs(kMsgs);
+    if (!HostBarrier()) {
+      stop.store(true);
+      driver.join();
+      return;
+    }
+    for (int i = 0; i < kMsgs; ++i) {
+      next_callback.store(i);
+      // A delay that sweeps the moment of setting across the message's arrival and completion (0-2 us).
+      for (volatile int k = 0, spins = (i * 13) % 64 * 8; k < spins; k = k + 1) {
+      }
+      T3D_EXPECT_OK(comm, t3d_request_set_callback(reqs[i], Record, &logs[i]));
+    }
+    EXPECT_EQ(t3d_wait(reqs[kMsgs - 1], TestTimeoutMs() / 2), T3D_OK) << t3d_request_error(reqs[kMsgs - 1]);
+    stop.store(true);
+    driver.join();
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));  // a callback runs right after its completion
+    int never = 0, twice = 0, wrong = 0;
+    for (int i = 0; i < kMsgs; ++i) {
+      never += logs[i].calls.load() == 0;
+      twice += logs[i].calls.load() > 1;
+      wrong += logs[i].last.load() != T3D_OK || in[i] != i;
+      t3d_request_free(reqs[i]);
+    }
+    EXPECT_EQ(never, 0) << "callbacks never called (set while the request completed)";
+    EXPECT_EQ(twice, 0) << "callbacks called more than once";
+    EXPECT_EQ(wrong, 0) << "receives with an error or the wrong value";
+    HostBarrier();
+  });
+}
+
 // Zero-length messages still match and complete.
 TEST(P2P, ZeroLengthMessage) {
   RunRanks(2, [](int rank, t3d_comm_t *comm) {
