@@ -52,6 +52,7 @@ static void destroy_memory(t3d_request_t *r) {
 static void cache_drop(void *arg) {
   request_cache_t *c = arg;
   while (c->n > 0) destroy_memory(c->r[--c->n]);
+  c->registered = -1; /* a request this exiting thread frees later (another destructor) is freed at once */
 }
 
 static void cache_key_init(void) { cache_ok = pthread_key_create(&cache_key, cache_drop) == 0; }
