@@ -1,10 +1,10 @@
 /* shm/p2p.c: point-to-point between the ranks of a communicator that shares a host, without the progress thread.
  *
  * Every ordered pair (sender, receiver) has a ring of fixed slots in the communicator's segment: the sender alone
- * writes slots (each with its message's sequence number, last), the receiver alone the ring's tail. A message of at most `eager` bytes travels inside
- * its slot; a longer one sends only a header naming the sender's buffer (rendezvous), and the receiver copies it
- * straight from the sender's memory with process_vm_readv (one copy; cross-memory attach), then marks the
- * sender's record for that message done. Receivers move messages that match no posted receive to a private
+ * writes slots (each with its message's sequence number, last), the receiver alone the ring's tail. A message of at
+ * most `eager` bytes travels inside its slot; a longer one sends only a header naming the sender's buffer
+ * (rendezvous), and the receiver copies it straight from the sender's memory with process_vm_readv (one copy;
+ * cross-memory attach), then marks the sender's record for that message done. Receivers move messages that match no posted receive to a private
  * unexpected queue, so the sender's slots never wait for the receiver's program.
  *
  * Who runs it: whoever holds `mu`. A send or receive is posted on the caller's thread at issue time and a pass
@@ -38,7 +38,8 @@ enum { REC_IDLE = 0, REC_POSTED = 1, REC_READING = 2, REC_DONE = 3 };
 #define REC_WORD(gen, st) (((gen) << 2) | (uint64_t)(st))
 
 /* A slot's first line. The receiver learns that a message arrived from `seq` alone, in the same line as the header
- * and a short message's payload: one line crosses between the cores per small message (measured below, "ring"). */
+ * and a short message's payload: one line crosses between the cores per small message (docs/architecture.md,
+ * "Point-to-point on one host", has the measurements). */
 typedef struct slot_hdr {
   _Atomic uint64_t seq; /* i + 1 once the slot holds the ring's message i (the sender's release store, last) */
   uint64_t len;         /* the message's length */
@@ -50,7 +51,7 @@ typedef struct slot_hdr {
     struct {
       uint64_t addr; /* rendezvous: the sender's buffer, in the sender's address space */
       uint64_t gen;  /* rendezvous: the record's generation */
-      uint64_t mkey; /* rendezvous from t3d memory (mem.c): the allocation's key and the buffer's offset in it; else 0 */
+      uint64_t mkey; /* rendezvous from t3d memory (mem.c): the allocation's key and the buffer's offset; else 0 */
       uint64_t moff;
     };
     unsigned char inline_data[32]; /* an eager message of at most SLOT_INLINE bytes; longer ones follow the line */
