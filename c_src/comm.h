@@ -40,7 +40,8 @@ struct t3d_request {
   /* what the operation does */
   uint64_t seq;
   int64_t timeout_ms;
-  uint64_t deadline_ns; /* point-to-point: set when posted; inline collectives: set when started */
+  uint64_t deadline_ns; /* shm point-to-point: stamped by the first pass that reads the clock after its post (0
+                         * until then); inline collectives: set when started */
   int resume;           /* an inline collective that the progress thread finishes (rs) */
   t3d_shm_resume_t rs;
   const void *sendbuf;

@@ -212,11 +212,13 @@ t3d_result_t t3d_group_end(t3d_comm_t *comm, t3d_request_t **req) {
   t3d_request_t *c = comm->group_head, *next, **host_tail = &g->children;
   comm->group_head = comm->group_tail = NULL;
   nposted = 0;
+  int one_provider = 1;
   for (; c != NULL; c = next) {
     next = c->next_child;
     c->next_child = NULL;
     c->parent = g;
     if (t3d__is_posted(c) && c->prov->post_on_caller) {
+      one_provider &= nposted == 0 || c->prov == posted[0]->prov;
       posted[nposted++] = c;
     } else {
       *host_tail = c;
@@ -225,7 +227,12 @@ t3d_result_t t3d_group_end(t3d_comm_t *comm, t3d_request_t **req) {
   }
   /* One extra count held by the engine until every child has been issued, so the group cannot complete early. */
   atomic_init(&g->pending_children, n + 1);
-  for (const t3d_provider_t *const *p = t3d__providers(); *p != NULL && nposted > 0; p++) {
+  if (nposted > 0 && one_provider) {
+    posted[0]->prov->post(comm, posted, nposted, 1); /* the usual group: all on one provider, in issue order */
+    nposted = 0;
+  }
+  for (const t3d_provider_t *const *p = nposted > 0 ? t3d__providers() : NULL; p != NULL && *p != NULL && nposted > 0;
+       p++) {
     int k = 0;
     for (int i = 0; i < nposted; i++) {
       if (posted[i]->prov == *p) batch[k++] = posted[i];

@@ -36,6 +36,8 @@ enum { MSG_EAGER = 1, MSG_RENDEZVOUS = 2 };
  * back to IDLE (with CAS) to cancel; the receiver moves POSTED -> READING (CAS) -> DONE. */
 enum { REC_IDLE = 0, REC_POSTED = 1, REC_READING = 2, REC_DONE = 3 };
 #define REC_WORD(gen, st) (((gen) << 2) | (uint64_t)(st))
+/* How often a pass reads the clock for deadlines and lost peers (pass). */
+enum { PASSES_PER_CLOCK = 16 };
 
 /* A slot's first line. The receiver learns that a message arrived from `seq` alone, in the same line as the header
  * and a short message's payload: one line crosses between the cores per small message (docs/architecture.md,
@@ -87,6 +89,7 @@ struct t3d_shm_p2p {
   t3d_comm_t *comm;
   t3d_shm_t *shm;         /* the peers' process ids and how often to check them */
   uint64_t alive_checked; /* when the requests' peers were last checked */
+  unsigned unclocked;     /* passes since the last one that read the clock */
   int rank, size, pid;
   char *region; /* records, then rings */
   size_t eager, slot_bytes, ring_bytes;
@@ -350,7 +353,17 @@ static void post_send(t3d_shm_p2p_t *p, done_list_t *d, t3d_request_t *r) {
   p->queued++;
 }
 
-/* Rendezvous sends whose reader is done; cancelling the ones past their deadline (or all, on abort). */
+/* A request's deadline counts from the first pass that reads the clock after it was posted (microseconds after
+ * its post: posting reads no clock); 0 until then. */
+static int past_deadline(t3d_request_t *r, uint64_t now) {
+  if (r->deadline_ns == 0) {
+    r->deadline_ns = now + (uint64_t)r->timeout_ms * 1000000ull;
+    return 0;
+  }
+  return now > r->deadline_ns;
+}
+
+/* Rendezvous sends whose reader is done; cancelling the ones past their deadline (or all, on abort; now 0: none). */
 static void reap_rdv(t3d_shm_p2p_t *p, done_list_t *d, uint64_t now, int aborted) {
   for (t3d_request_t **l = &p->rdv; *l != NULL;) {
     t3d_request_t *r = *l;
@@ -359,7 +372,7 @@ static void reap_rdv(t3d_shm_p2p_t *p, done_list_t *d, uint64_t now, int aborted
     t3d_result_t res = T3D_IN_PROGRESS;
     if (v == REC_WORD(r->shm_gen, REC_DONE)) {
       res = T3D_OK;
-    } else if (aborted || now > r->deadline_ns) {
+    } else if (aborted || (now != 0 && past_deadline(r, now))) {
       /* Cancel unless the reader has begun; then it finishes soon and a later pass completes the send. */
       uint64_t expect = REC_WORD(r->shm_gen, REC_POSTED);
       if (atomic_compare_exchange_strong(w, &expect, REC_WORD(r->shm_gen, REC_IDLE))) {
@@ -567,7 +580,7 @@ static void expire(t3d_shm_p2p_t *p, done_list_t *d, uint64_t now, int aborted) 
   t3d_result_t res = aborted ? T3D_ERR_ABORTED : T3D_ERR_TIMEOUT;
   for (t3d_request_t **l = &p->recvs, *prev = NULL; *l != NULL;) {
     t3d_request_t *r = *l;
-    if (!aborted && now <= r->deadline_ns) {
+    if (!aborted && !past_deadline(r, now)) {
       prev = r;
       l = &r->next;
       continue;
@@ -579,7 +592,7 @@ static void expire(t3d_shm_p2p_t *p, done_list_t *d, uint64_t now, int aborted) 
     t3d_request_t **l = &p->sendq_head[q], *prev = NULL;
     while (*l != NULL) {
       t3d_request_t *r = *l;
-      if (!aborted && now <= r->deadline_ns) {
+      if (!aborted && !past_deadline(r, now)) {
         prev = r;
         l = &r->next;
         continue;
@@ -607,40 +620,46 @@ static int pass(t3d_shm_p2p_t *p, done_list_t *d, uint64_t now) {
     }
   }
   int aborted = atomic_load(&p->comm->aborted);
-  if (p->rdv != NULL || aborted || p->recvs != NULL || p->queued > 0) {
+  int pending = p->rdv != NULL || p->recvs != NULL || p->queued > 0;
+  /* Deadlines are milliseconds away and lost peers are looked for every liveness_ns: a pass reads the clock for
+   * them only every PASSES_PER_CLOCK passes (a clock read costs about as much as the rest of an idle pass, and a
+   * waiter runs a pass per poll), or when its caller has just read it. */
+  if (aborted || (pending && (now != 0 || ++p->unclocked >= PASSES_PER_CLOCK))) {
+    p->unclocked = 0;
     if (now == 0) now = t3d__now_ns();
     expire(p, d, now, aborted); /* also completes finished rendezvous sends */
     if (!aborted) fail_lost_peers(p, d, now);
+  } else if (p->rdv != NULL) {
+    reap_rdv(p, d, 0, 0); /* finished rendezvous sends complete at once */
   }
   return before - atomic_load_explicit(&p->active, memory_order_relaxed);
 }
 
 void t3d__shm_p2p_post(t3d_shm_p2p_t *p, t3d_request_t **reqs, int n) {
   done_list_t d = {NULL};
-  uint64_t now = t3d__now_ns();
   int aborted = atomic_load(&p->comm->aborted);
   pthread_mutex_lock(&p->mu);
   for (int i = 0; i < n; i++) {
     t3d_request_t *r = reqs[i];
     r->on_shm = 1;
     if (r->parent != NULL) r->parent->on_shm = 1;
-    r->deadline_ns = now + (uint64_t)r->timeout_ms * 1000000ull;
     atomic_fetch_add_explicit(&p->active, 1, memory_order_relaxed);
     if (aborted) fail(p, &d, r, T3D_ERR_ABORTED); /* an aborted communicator moves no more messages */
     else if (r->kind == T3D_OP_SEND) post_send(p, &d, r);
     else post_recv(p, &d, r);
   }
-  pass(p, &d, now);
+  pass(p, &d, 0);
   pthread_mutex_unlock(&p->mu);
   complete_all(&d);
 }
 
-/* A pass unless another thread is running one (then *ran = 0); returns how many requests it completed. */
-static int try_pass(t3d_shm_p2p_t *p, int *ran) {
+/* A pass unless another thread is running one (then *ran = 0); returns how many requests it completed. now: as
+ * pass's. */
+static int try_pass(t3d_shm_p2p_t *p, int *ran, uint64_t now) {
   *ran = pthread_mutex_trylock(&p->mu) == 0;
   if (!*ran) return 0;
   done_list_t d = {NULL};
-  int n = pass(p, &d, 0);
+  int n = pass(p, &d, now);
   pthread_mutex_unlock(&p->mu);
   complete_all(&d);
   return n;
@@ -649,7 +668,7 @@ static int try_pass(t3d_shm_p2p_t *p, int *ran) {
 int t3d__shm_p2p_progress(t3d_shm_p2p_t *p) {
   if (p == NULL || atomic_load_explicit(&p->active, memory_order_relaxed) == 0) return 0;
   int ran;
-  return try_pass(p, &ran);
+  return try_pass(p, &ran, 0);
 }
 
 t3d_result_t t3d__shm_p2p_attach(t3d_comm_t *comm, t3d_shm_t *shm, t3d_shm_p2p_t **out) {
@@ -669,7 +688,7 @@ void t3d__shm_p2p_sleep(t3d_shm_p2p_t *p, const t3d_request_t *req, uint64_t max
   /* A last pass after announcing the sleep: what peers published before it is seen here; anything later rings.
    * When another thread holds mu, it is mid-pass: do not sleep. */
   int ran;
-  if (try_pass(p, &ran) == 0 && ran && !atomic_load_explicit(&req->done, memory_order_acquire)) {
+  if (try_pass(p, &ran, t3d__now_ns()) == 0 && ran && !atomic_load_explicit(&req->done, memory_order_acquire)) {
     struct timespec ts = {(time_t)(max_ns / 1000000000u), (long)(max_ns % 1000000000u)};
     t3d__shm_set_cpu(p->shm, 0u); /* asleep: peers' waits must not spin for it (t3d__shm_peer_running) */
     syscall(SYS_futex, (void *)&b->bell, FUTEX_WAIT, v, &ts, NULL, 0);

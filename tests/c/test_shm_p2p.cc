@@ -163,6 +163,7 @@ TEST(ShmP2P, UnreceivedRendezvousSendTimesOut) {
       EXPECT_EQ(t3d_wait(q, TestTimeoutMs()), T3D_ERR_TIMEOUT);
       const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0);
       EXPECT_LT(ms.count(), 5000) << "the timeout came late";
+      EXPECT_GE(ms.count(), 290) << "the timeout came early";
       const std::string err = t3d_request_error(q);
       EXPECT_NE(err.find("send to rank 1"), std::string::npos) << err;
       EXPECT_NE(err.find("timed out"), std::string::npos) << err;
@@ -189,7 +190,8 @@ TEST(ShmP2P, UnreceivedRendezvousSendTimesOut) {
   });
 }
 
-// A receive whose sender never sends times out with the peer and tag in its text.
+// A receive whose sender never sends times out with the peer and tag in its text, neither early nor late (its
+// deadline is stamped by the first pass after the post that reads the clock).
 TEST(ShmP2P, ReceiveTimeoutNamesPeer) {
   RunRanks(2, [](int rank, t3d_comm_t *comm) {
     SkipUnlessShm(comm);
@@ -198,8 +200,12 @@ TEST(ShmP2P, ReceiveTimeoutNamesPeer) {
     t3d_opts_t opts{};
     opts.timeout_ms = 200;
     t3d_request_t *q = nullptr;
+    const auto t0 = std::chrono::steady_clock::now();
     T3D_ASSERT_OK(comm, t3d_recv(comm, in.data(), in.size(), T3D_FLOAT32, 1, 9, &opts, &q));
     EXPECT_EQ(t3d_wait(q, TestTimeoutMs()), T3D_ERR_TIMEOUT);
+    const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0);
+    EXPECT_GE(ms.count(), 200) << "the timeout came early";
+    EXPECT_LT(ms.count(), 5000) << "the timeout came late";
     const std::string err = t3d_request_error(q);
     EXPECT_NE(err.find("recv from rank 1"), std::string::npos) << err;
     EXPECT_NE(err.find("tag 9"), std::string::npos) << err;
