@@ -332,3 +332,33 @@ t3d_result_t t3d_recv(t3d_comm_t *comm, void *buf, size_t count, t3d_dtype_t dty
                       const t3d_opts_t *opts, t3d_request_t **req) {
   return p2p(comm, "t3d_recv", T3D_OP_RECV, NULL, buf, count, dtype, peer, tag, opts, req);
 }
+
+t3d_result_t t3d_sendrecv(t3d_comm_t *comm, const void *sendbuf, size_t sendcount, int dst, void *recvbuf,
+                          size_t recvcount, int src, t3d_dtype_t dtype, int64_t tag, const t3d_opts_t *opts,
+                          size_t *received) {
+  const char *fn = "t3d_sendrecv";
+  if (comm == NULL) return T3D_ERR_INVALID_ARG;
+  if (received != NULL) *received = 0;
+  T3D_CHECK(check_dtype(comm, fn, dtype));
+  T3D_CHECK(check_buf(comm, fn, "sendbuf", sendbuf, sendcount, dtype));
+  T3D_CHECK(check_buf(comm, fn, "recvbuf", recvbuf, recvcount, dtype));
+  T3D_CHECK(check_rank(comm, fn, "dst", dst));
+  if (src != T3D_ANY_SOURCE) T3D_CHECK(check_rank(comm, fn, "src", src));
+  if (tag < 0 || tag > T3D_MAX_TAG) return BAD_ARG(comm, fn, "tag", "%lld is outside [0, 2^30)", (long long)tag);
+  if (comm->group_depth > 0) return BAD_ARG(comm, fn, "comm", "has an open group (t3d_sendrecv blocks)");
+  /* Both live in this frame; t3d__submit_pair copies them to the heap only where it must. */
+  t3d_request_t s, r;
+  t3d__request_prepare(comm, T3D_OP_SEND, opts, &s);
+  s.sendbuf = sendbuf;
+  s.count = sendcount;
+  s.dtype = dtype;
+  s.root = dst;
+  s.tag = tag;
+  t3d__request_prepare(comm, T3D_OP_RECV, opts, &r);
+  r.recvbuf = recvbuf;
+  r.count = recvcount;
+  r.dtype = dtype;
+  r.root = src;
+  r.tag = tag;
+  return t3d__submit_pair(comm, &s, &r, received);
+}

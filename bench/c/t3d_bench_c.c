@@ -121,16 +121,20 @@ typedef struct {
   int warmup, iters; /* 0: by size */
   int async;         /* -a: collectives without T3D_FLAG_BLOCKING */
   int registered;    /* -R: buffers from t3d_mem_alloc (registered memory) */
+  int grouped;       /* -G: sendrecv as a group of t3d_send and t3d_recv */
 } opts_t;
 
 /* What every collective call passes: T3D_FLAG_BLOCKING (each call is waited for at once, as MPI_Allreduce and the
  * other blocking calls that mpi_bench_c times), unless -a. */
 static t3d_opts_t call_opts;
+/* -G: the ring shift as a group of t3d_send and t3d_recv, waited on (torch's batch_isend_irecv), instead of
+ * t3d_sendrecv (the blocking exchange, as MPI_Sendrecv that mpi_bench_c times). */
+static int sendrecv_grouped;
 
 static void usage(const char *argv0) {
   fprintf(stderr,
           "usage: %s [-n ranks] [-b minbytes] [-e maxbytes] [-f factor] [-o op[,op...]] [-t auto|ucx|both]\n"
-          "          [-w warmup] [-i iters] [-c 0|1] [-a] [-R]\n"
+          "          [-w warmup] [-i iters] [-c 0|1] [-a] [-R] [-G]\n"
           "  ops: ",
           argv0);
   print_op_names(stderr);
@@ -139,7 +143,8 @@ static void usage(const char *argv0) {
           "  -R takes the buffers from t3d_mem_alloc (registered memory: large collectives then copy in place)\n"
           "  -a issues collectives without T3D_FLAG_BLOCKING (the progress thread runs those too large to start on\n"
           "     the calling thread), still waiting for each at once\n"
-          "  sendrecv is a ring shift: every rank sends to rank + 1 and receives from rank - 1 in one group\n"
+          "  sendrecv is a ring shift: every rank sends to rank + 1 and receives from rank - 1 in one blocking\n"
+          "     t3d_sendrecv (as MPI_Sendrecv); -G: in one group of t3d_send and t3d_recv, waited on\n"
           "  sizes are total bytes as in nccl-tests (K/M/G suffixes); float32, sum; default 8 B .. 256 MiB x2\n"
           "  -t both runs every size on two communicators: the default transport (shared memory on one host) and\n"
           "     T3D_TRANSPORT=ucx; iterations default to about 256 MiB of traffic per size (5 .. 2000)\n");
@@ -159,9 +164,13 @@ static int fail(int rank, const char *what, t3d_comm_t *c, t3d_result_t r) {
   return 1;
 }
 
-/* Ring shift as the torch bench's send_recv (batch_isend_irecv): both in one group, waited on together. */
+/* Ring shift: one t3d_sendrecv, or (-G) as the torch bench's send_recv (batch_isend_irecv): both in one group,
+ * waited on together. */
 static t3d_result_t sendrecv(t3d_comm_t *c, float *sb, float *rb, size_t count, int n) {
   int rank = t3d_comm_rank(c);
+  if (!sendrecv_grouped) {
+    return t3d_sendrecv(c, sb, count, (rank + 1) % n, rb, count, (rank + n - 1) % n, T3D_FLOAT32, 0, NULL, NULL);
+  }
   t3d_request_t *s = NULL, *r = NULL, *group = NULL;
   t3d_result_t res = t3d_group_start(c);
   if (res != T3D_OK) return res;
@@ -377,7 +386,7 @@ int main(int argc, char **argv) {
   opts_t o = {.nranks = 2, .minb = 8, .maxb = 256u << 20, .factor = 2, .transports = 3, .check = 1};
   for (int i = 0; i < OP_COUNT; i++) o.ops[i] = 1;
   int c;
-  while ((c = getopt(argc, argv, "n:b:e:f:o:t:w:i:c:aRh")) != -1) {
+  while ((c = getopt(argc, argv, "n:b:e:f:o:t:w:i:c:aRGh")) != -1) {
     switch (c) {
       case 'n': o.nranks = atoi(optarg); break;
       case 'b': o.minb = parse_size(optarg); break;
@@ -388,6 +397,7 @@ int main(int argc, char **argv) {
       case 'c': o.check = atoi(optarg); break;
       case 'a': o.async = 1; break;
       case 'R': o.registered = 1; break;
+      case 'G': o.grouped = 1; break;
       case 't':
         if (strcmp(optarg, "auto") == 0) o.transports = 1;
         else if (strcmp(optarg, "ucx") == 0) o.transports = 2;
@@ -402,6 +412,7 @@ int main(int argc, char **argv) {
   }
   if (o.nranks < 1 || o.factor < 2 || o.minb < 1 || o.maxb < o.minb) usage(argv[0]);
   call_opts.flags = o.async ? 0u : T3D_FLAG_BLOCKING;
+  sendrecv_grouped = o.grouped;
   printf("# t3d_bench_c: %d ranks (processes), t3d %s, %s\n", o.nranks, t3d_version_string(),
          t3d_ucx_version_string());
   print_memcpy_reference();

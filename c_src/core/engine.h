@@ -48,6 +48,10 @@ t3d_result_t t3d__submit(t3d_comm_t *comm, t3d_request_t *req, t3d_request_t **o
  * collective that finishes on the caller's thread without error hands out a shared done request and allocates
  * nothing; otherwise req is copied to the heap and goes on as with t3d__submit. */
 t3d_result_t t3d__submit_prepared(t3d_comm_t *comm, t3d_request_t *req, t3d_request_t **out);
+/* t3d_sendrecv's send s and receive r, prepared in the caller's frame: posted and polled to the end right there
+ * when the shared-memory provider takes both, else copied to the heap and run as a group, waited on. Returns the
+ * first error (written to the communicator), and the receive's count through received (may be NULL). */
+t3d_result_t t3d__submit_pair(t3d_comm_t *comm, t3d_request_t *s, t3d_request_t *r, size_t *received);
 /* Appends req to the progress thread's queue. */
 void t3d__enqueue(t3d_comm_t *comm, t3d_request_t *req);
 

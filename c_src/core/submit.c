@@ -256,3 +256,74 @@ t3d_result_t t3d_group_end(t3d_comm_t *comm, t3d_request_t **req) {
   else t3d__request_release(g);
   return T3D_OK;
 }
+
+/* ---------- a blocking exchange (t3d_sendrecv) ---------- */
+
+/* The engine's reference is gone: whoever completed the request (this thread's pass or another thread's) is done
+ * with it, so a request in the caller's frame may go out of scope. */
+static int let_go(t3d_request_t *r) { return atomic_load_explicit(&r->refs, memory_order_acquire) == 1; }
+
+/* The pair's outcome, both done: the first error, with its request's text on the communicator; the receive's count. */
+static t3d_result_t pair_result(t3d_comm_t *comm, const t3d_request_t *s, const t3d_request_t *r, size_t *received) {
+  const t3d_request_t *bad = s->result < 0 ? s : r->result < 0 ? r : NULL;
+  if (received != NULL) *received = r->result == T3D_OK ? r->recv_count : 0;
+  if (bad == NULL) return T3D_OK;
+  return t3d__set_error(comm, bad->result, "t3d_sendrecv (rank %d of group '%s'): %s", comm->rank, comm->name,
+                        bad->errmsg != NULL ? bad->errmsg : t3d_result_string(bad->result));
+}
+
+/* A kept request that was never submitted: both its references go. */
+static void drop_kept(t3d_request_t *k) {
+  if (k == NULL) return;
+  t3d__request_release(k);
+  t3d__request_release(k);
+}
+
+/* Anywhere else: the two on the heap as a group, waited on. */
+static t3d_result_t pair_as_group(t3d_comm_t *comm, t3d_request_t *s, t3d_request_t *r, size_t *received) {
+  t3d_request_t *hs = t3d__request_keep(s), *hr = t3d__request_keep(r);
+  if (hs == NULL || hr == NULL) {
+    drop_kept(hs);
+    drop_kept(hr);
+    return t3d__set_error(comm, T3D_ERR_NO_MEMORY, "t3d_sendrecv: out of memory on rank %d", comm->rank);
+  }
+  t3d_request_t *os = NULL, *orr = NULL, *g = NULL;
+  t3d_group_start(comm);
+  t3d_result_t res = t3d__submit(comm, hs, &os);
+  if (res == T3D_OK) {
+    res = t3d__submit(comm, hr, &orr);
+  } else {
+    drop_kept(hr);
+  }
+  t3d_result_t end = t3d_group_end(comm, &g);
+  if (res == T3D_OK) res = end;
+  if (res == T3D_OK) t3d_wait(g, -1); /* each of the two ends by its own timeout */
+  if (res == T3D_OK) res = pair_result(comm, os, orr, received);
+  t3d_request_free(g);
+  t3d_request_free(os);
+  t3d_request_free(orr);
+  return res;
+}
+
+t3d_result_t t3d__submit_pair(t3d_comm_t *comm, t3d_request_t *s, t3d_request_t *r, size_t *received) {
+  s->prov = t3d__provider_for(comm, s);
+  r->prov = t3d__provider_for(comm, r);
+  if (s->prov != &t3d__provider_shm || r->prov != &t3d__provider_shm) return pair_as_group(comm, s, r, received);
+  /* Same host: posted here and polled until both are done and let go. Nobody else holds a handle to them, so
+   * nobody sleeps on their condition variables (which these frame copies do not have) or sets a callback. */
+  t3d_request_t *both[2] = {s, r};
+  t3d_result_t res = s->prov->post(comm, both, 2, 1);
+  if (res < 0) return res;
+  uint64_t since = 0;
+  while (!let_go(s) || !let_go(r)) {
+    t3d_request_t *w = !atomic_load_explicit(&r->done, memory_order_acquire)   ? r
+                       : !atomic_load_explicit(&s->done, memory_order_acquire) ? s
+                                                                                 : NULL;
+    if (w != NULL) t3d_request_poll(w, &since);
+    else __builtin_ia32_pause(); /* its completer is between marking it done and letting it go */
+  }
+  res = pair_result(comm, s, r, received);
+  free(s->errmsg);
+  free(r->errmsg);
+  return res;
+}

@@ -227,6 +227,14 @@ t3d_result_t t3d_send(t3d_comm_t *comm, const void *buf, size_t count, t3d_dtype
                       const t3d_opts_t *opts, t3d_request_t **req);
 t3d_result_t t3d_recv(t3d_comm_t *comm, void *buf, size_t count, t3d_dtype_t dtype, int peer, int64_t tag,
                       const t3d_opts_t *opts, t3d_request_t **req);
+/* Blocking exchange, as MPI_Sendrecv: sends sendcount elements to dst and receives up to recvcount from src
+ * (T3D_ANY_SOURCE too), both with tag, and returns once both are done: T3D_OK, or the error of the first that
+ * failed (the communicator's last error says which). received (may be NULL): the elements that arrived. Between
+ * ranks of one host it runs on the calling thread with no request on the heap; elsewhere it is a group of
+ * t3d_send and t3d_recv, waited on. Not inside an open group. */
+t3d_result_t t3d_sendrecv(t3d_comm_t *comm, const void *sendbuf, size_t sendcount, int dst, void *recvbuf,
+                          size_t recvcount, int src, t3d_dtype_t dtype, int64_t tag, const t3d_opts_t *opts,
+                          size_t *received);
 
 /* Coalescing: operations issued between start and end are held and issued together at end (point-to-point first,
  * so any pairing of sends and receives inside a group cannot deadlock). Each keeps its own request; end can also

@@ -294,6 +294,131 @@ TEST(P2P, RingExchangeInGroup) {
   }
 }
 
+// t3d_sendrecv (the blocking exchange) shifts a ring of 2, 3 and 8 ranks at eager, slot and rendezvous sizes, and
+// says how many elements arrived.
+TEST(P2P, SendrecvRingShift) {
+  for (int n : {2, 3, 8}) {
+    SCOPED_TRACE("n=" + std::to_string(n));
+    RunRanks(n, [n](int rank, t3d_comm_t *comm) {
+      const t3d_dtype_t dt = T3D_FLOAT32;
+      const int right = (rank + 1) % n, left = (rank + n - 1) % n;
+      for (size_t count : {static_cast<size_t>(0), static_cast<size_t>(2), static_cast<size_t>(1000),
+                           static_cast<size_t>(300000)}) {
+        for (int64_t tag = 0; tag < 3; ++tag) {
+          Buf out = Payload(dt, rank, tag, count), in = Bytes(dt, count);
+          size_t got = 12345;
+          T3D_ASSERT_OK(comm, t3d_sendrecv(comm, out.data(), count, right, in.data(), count, left, dt, tag, nullptr,
+                                           &got));
+          EXPECT_EQ(got, count) << Tag(rank, "received");
+          EXPECT_EQ("", Diff(in, Payload(dt, left, tag, count), count * 4))
+              << Tag(rank, "count " + std::to_string(count) + " tag " + std::to_string(tag));
+        }
+      }
+    });
+  }
+}
+
+// t3d_sendrecv from any source into a larger buffer: the count that arrived; a longer message is an error that
+// names the call, unless T3D_FLAG_RECV_TRUNCATE.
+TEST(P2P, SendrecvAnySourceAndCounts) {
+  RunRanks(2, [](int rank, t3d_comm_t *comm) {
+    const t3d_dtype_t dt = T3D_INT32;
+    const int other = 1 - rank;
+    const size_t mine = rank == 0 ? 3 : 7, cap = 10;
+    Buf out = Payload(dt, rank, 4, mine), in = Bytes(dt, cap);
+    size_t got = 0;
+    T3D_ASSERT_OK(comm, t3d_sendrecv(comm, out.data(), mine, other, in.data(), cap, T3D_ANY_SOURCE, dt, 4, nullptr,
+                                     &got));
+    EXPECT_EQ(got, rank == 0 ? 7u : 3u);
+    EXPECT_EQ("", Diff(in, Payload(dt, other, 4, got), got * 4)) << Tag(rank, "any source");
+    // Too long for the receive on both ranks (7 and 3 elements into room for 2).
+    Buf small = Bytes(dt, 2);
+    EXPECT_EQ(t3d_sendrecv(comm, out.data(), mine, other, small.data(), 2, other, dt, 5, nullptr, &got),
+              T3D_ERR_MISMATCH);
+    const std::string err = t3d_comm_last_error(comm);
+    EXPECT_NE(err.find("t3d_sendrecv"), std::string::npos) << err;
+    EXPECT_NE(err.find("larger than"), std::string::npos) << err;
+    EXPECT_EQ(got, 0u);
+    t3d_opts_t opts{};
+    opts.flags = T3D_FLAG_RECV_TRUNCATE;
+    T3D_ASSERT_OK(comm, t3d_sendrecv(comm, out.data(), mine, other, small.data(), 2, other, dt, 6, &opts, &got));
+    EXPECT_EQ(got, rank == 0 ? 7u : 3u);
+    EXPECT_EQ("", Diff(small, Payload(dt, other, 4, 2), 8)) << Tag(rank, "truncated");
+  });
+}
+
+// While another thread of the rank waits on its own receive (and so runs the passes that may complete this thread's
+// exchanges), t3d_sendrecv keeps returning the right data: it returns only once whoever completed its requests has
+// let go of them.
+TEST(P2P, SendrecvWhileAnotherThreadPolls) {
+  RunRanks(2, [](int rank, t3d_comm_t *comm) {
+    const t3d_dtype_t dt = T3D_INT32;
+    const int other = 1 - rank;
+    Buf side = Bytes(dt, 4);
+    t3d_request_t *q = nullptr;
+    std::thread waiter;
+    if (rank == 0) {
+      T3D_ASSERT_OK(comm, t3d_recv(comm, side.data(), 4, dt, 1, 99, nullptr, &q));
+      waiter = std::thread([q] { EXPECT_EQ(t3d_wait(q, TestTimeoutMs()), T3D_OK) << t3d_request_error(q); });
+    }
+    for (int64_t i = 0; i < 2000; ++i) {
+      const int64_t tag = i % 7;
+      Buf out = Payload(dt, rank, tag, 3), in = Bytes(dt, 3);
+      size_t got = 0;
+      T3D_ASSERT_OK(comm, t3d_sendrecv(comm, out.data(), 3, other, in.data(), 3, other, dt, tag, nullptr, &got));
+      ASSERT_EQ(got, 3u);
+      ASSERT_EQ("", Diff(in, Payload(dt, other, tag, 3), 12)) << Tag(rank, "exchange " + std::to_string(i));
+    }
+    if (rank == 1) {
+      Buf msg = Payload(dt, 1, 99, 4);
+      t3d_request_t *s = nullptr;
+      T3D_ASSERT_OK(comm, t3d_send(comm, msg.data(), 4, dt, 0, 99, nullptr, &s));
+      std::string e;
+      EXPECT_EQ(Finish(s, &e), T3D_OK) << e;
+    } else {
+      waiter.join();
+      t3d_request_free(q);
+      EXPECT_EQ("", Diff(side, Payload(dt, 1, 99, 4), 16));
+    }
+  });
+}
+
+// Bad arguments get an error that names the argument and the rank; inside a group the blocking call is refused; a
+// receive whose peer never sends times out (the send half still delivered) and the error names the call.
+TEST(P2P, SendrecvErrors) {
+  RunRanks(2, [](int rank, t3d_comm_t *comm) {
+    const t3d_dtype_t dt = T3D_FLOAT32;
+    Buf out = Payload(dt, rank, 1, 4), in = Bytes(dt, 4);
+    EXPECT_EQ(t3d_sendrecv(comm, out.data(), 4, 2, in.data(), 4, 0, dt, 1, nullptr, nullptr), T3D_ERR_INVALID_ARG);
+    std::string err = t3d_comm_last_error(comm);
+    EXPECT_NE(err.find("dst"), std::string::npos) << err;
+    EXPECT_NE(err.find("rank " + std::to_string(rank)), std::string::npos) << err;
+    EXPECT_EQ(t3d_sendrecv(comm, out.data(), 4, 0, nullptr, 4, 0, dt, 1, nullptr, nullptr), T3D_ERR_INVALID_ARG);
+    EXPECT_NE(std::string(t3d_comm_last_error(comm)).find("recvbuf"), std::string::npos);
+    T3D_ASSERT_OK(comm, t3d_group_start(comm));
+    EXPECT_EQ(t3d_sendrecv(comm, out.data(), 4, 0, in.data(), 4, 0, dt, 1, nullptr, nullptr), T3D_ERR_INVALID_ARG);
+    EXPECT_NE(std::string(t3d_comm_last_error(comm)).find("group"), std::string::npos);
+    T3D_ASSERT_OK(comm, t3d_group_end(comm, nullptr));
+    if (rank == 0) {
+      t3d_opts_t opts{};
+      opts.timeout_ms = 300;
+      const auto t0 = std::chrono::steady_clock::now();
+      EXPECT_EQ(t3d_sendrecv(comm, out.data(), 4, 1, in.data(), 4, 1, dt, 9, &opts, nullptr), T3D_ERR_TIMEOUT);
+      const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0);
+      EXPECT_GE(ms.count(), 290) << "the timeout came early";
+      err = t3d_comm_last_error(comm);
+      EXPECT_NE(err.find("t3d_sendrecv"), std::string::npos) << err;
+      EXPECT_NE(err.find("rank 0"), std::string::npos) << err;
+    } else {
+      t3d_request_t *q = nullptr;
+      T3D_ASSERT_OK(comm, t3d_recv(comm, in.data(), 4, dt, 0, 9, nullptr, &q));
+      std::string e;
+      EXPECT_EQ(Finish(q, &e), T3D_OK) << e;
+      EXPECT_EQ("", Diff(in, Payload(dt, 0, 1, 4), 16));
+    }
+  });
+}
+
 // A group holding both point-to-point and a collective.
 TEST(P2P, GroupWithCollective) {
   const int n = 3;
