@@ -304,6 +304,17 @@ t3d_result_t t3d_barrier(t3d_comm_t *comm, const t3d_opts_t *opts, t3d_request_t
   return issue(comm, T3D_OP_BARRIER, opts, NULL, NULL, 0, T3D_UINT8, T3D_SUM, 0, req);
 }
 
+/* A prepared send or receive's fields (sbuf for a send, rbuf for a receive). */
+static void fill_p2p(t3d_request_t *r, const void *sbuf, void *rbuf, size_t count, t3d_dtype_t dtype, int peer,
+                     int64_t tag) {
+  r->sendbuf = sbuf;
+  r->recvbuf = rbuf;
+  r->count = count;
+  r->dtype = dtype;
+  r->root = peer;
+  r->tag = tag;
+}
+
 static t3d_result_t p2p(t3d_comm_t *comm, const char *fn, t3d_op_kind_t kind, const void *sbuf, void *rbuf,
                         size_t count, t3d_dtype_t dtype, int peer, int64_t tag, const t3d_opts_t *opts,
                         t3d_request_t **req) {
@@ -314,12 +325,7 @@ static t3d_result_t p2p(t3d_comm_t *comm, const char *fn, t3d_op_kind_t kind, co
   if (tag < 0 || tag > T3D_MAX_TAG) return BAD_ARG(comm, fn, "tag", "%lld is outside [0, 2^30)", (long long)tag);
   t3d_request_t *r;
   T3D_CHECK(t3d__request_new(comm, kind, opts, &r));
-  r->sendbuf = sbuf;
-  r->recvbuf = rbuf;
-  r->count = count;
-  r->dtype = dtype;
-  r->root = peer;
-  r->tag = tag;
+  fill_p2p(r, sbuf, rbuf, count, dtype, peer, tag);
   return t3d__submit(comm, r, req);
 }
 
@@ -349,16 +355,8 @@ t3d_result_t t3d_sendrecv(t3d_comm_t *comm, const void *sendbuf, size_t sendcoun
   /* Both live in this frame; t3d__submit_pair copies them to the heap only where it must. */
   t3d_request_t s, r;
   t3d__request_prepare(comm, T3D_OP_SEND, opts, &s);
-  s.sendbuf = sendbuf;
-  s.count = sendcount;
-  s.dtype = dtype;
-  s.root = dst;
-  s.tag = tag;
+  fill_p2p(&s, sendbuf, NULL, sendcount, dtype, dst, tag);
   t3d__request_prepare(comm, T3D_OP_RECV, opts, &r);
-  r.recvbuf = recvbuf;
-  r.count = recvcount;
-  r.dtype = dtype;
-  r.root = src;
-  r.tag = tag;
+  fill_p2p(&r, NULL, recvbuf, recvcount, dtype, src, tag);
   return t3d__submit_pair(comm, &s, &r, received);
 }
