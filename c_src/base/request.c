@@ -38,9 +38,9 @@ typedef struct {
   t3d_request_t *r[CACHE_MAX];
   int n, registered;
 } request_cache_t;
-/* initial-exec: one load from the thread pointer instead of a __tls_get_addr call per use (a few percent of a small
- * ring shift's profile); 80 bytes of the static TLS that glibc keeps for libraries loaded later. */
-static _Thread_local request_cache_t cache __attribute__((tls_model("initial-exec")));
+/* Not initial-exec TLS, though that would save a __tls_get_addr call per use (a few percent of a small ring shift's
+ * profile): loaded by Python after torch, libt3d then finds glibc's static TLS reserve used up and fails to load. */
+static _Thread_local request_cache_t cache;
 static pthread_key_t cache_key;
 static pthread_once_t cache_once = PTHREAD_ONCE_INIT;
 static int cache_ok; /* the key exists */
