@@ -229,15 +229,14 @@ t3d_result_t t3d_group_end(t3d_comm_t *comm, t3d_request_t **req) {
   atomic_init(&g->pending_children, n + 1);
   if (nposted > 0 && one_provider) {
     posted[0]->prov->post(comm, posted, nposted, 1); /* the usual group: all on one provider, in issue order */
-    nposted = 0;
-  }
-  for (const t3d_provider_t *const *p = nposted > 0 ? t3d__providers() : NULL; p != NULL && *p != NULL && nposted > 0;
-       p++) {
-    int k = 0;
-    for (int i = 0; i < nposted; i++) {
-      if (posted[i]->prov == *p) batch[k++] = posted[i];
+  } else if (nposted > 0) {
+    for (const t3d_provider_t *const *p = t3d__providers(); *p != NULL; p++) {
+      int k = 0;
+      for (int i = 0; i < nposted; i++) {
+        if (posted[i]->prov == *p) batch[k++] = posted[i];
+      }
+      if (k > 0) (*p)->post(comm, batch, k, 1);
     }
-    if (k > 0) (*p)->post(comm, batch, k, 1);
   }
   if (on_heap) {
     free(posted);
