@@ -36,13 +36,21 @@ static int next_small_free(t3d_shm_t *s) {
   return t3d__shm_all_past(s, s->free_small[s->small_steps % T3D_SHM_SMALL_SLOTS]);
 }
 
-/* The root has nothing to read: it posts both phases of its step at once, then sets seq of the step's info line to
+/* The root has nothing to read: it posts both phases of its step at once, and sets seq of the step's info line to
  * phase 1, on which the others wait (t3d__shm_post_arrived): they then read the root's flag line only now and
  * then, and the root, which runs ahead by up to T3D_SHM_SMALL_SLOTS small broadcasts, writes a line nobody reads
- * meanwhile. */
-static void root_post(t3d_shm_t *s, const t3d_shm_step_t *st) {
+ * meanwhile. On the operation's first step the root shows phase 1 before it posts phase 2 and looks for a second
+ * root in between (t3d__shm_check_sole_writer): until it posts phase 2 no peer may write that slot again. */
+static t3d_result_t root_post(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step_t *st, size_t bytes, int first) {
+  if (first) {
+    t3d__shm_post_lazy(s, st->base + 1);
+    t3d__shm_show_arrived(s, st);
+    atomic_thread_fence(memory_order_seq_cst);
+    T3D_CHECK(t3d__shm_check_sole_writer(s, ex, st, T3D_OP_BROADCAST, bytes));
+  }
   t3d__shm_post(s, st->base + 2);
-  t3d__shm_show_arrived(s, st);
+  if (!first) t3d__shm_show_arrived(s, st);
+  return T3D_OK;
 }
 
 static t3d_result_t wait_root(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step_t *st, int root) {
@@ -66,8 +74,7 @@ t3d_result_t t3d__shm_broadcast(t3d_exec_t *ex, void *buf, size_t bytes, int roo
     if (s->rank == root) {
       T3D_CHECK(t3d__shm_step_acquire(s, ex, &st));
       root_write(s, &st, b, lo, len, bytes);
-      if (lo == 0) T3D_CHECK(t3d__shm_check_peers_op(s, ex, bytes));
-      root_post(s, &st);
+      T3D_CHECK(root_post(s, ex, &st, bytes, lo == 0));
     } else {
       T3D_CHECK(wait_root(s, ex, &st, root));
       if (lo == 0) T3D_CHECK(t3d__shm_check_info(s, ex, &st, root, T3D_OP_BROADCAST, bytes));
@@ -106,8 +113,7 @@ t3d_result_t t3d__shm_bcast_start(t3d_exec_t *ex, const void *buf, size_t bytes,
   if (s->rank != root) return T3D_OK;
   T3D_CHECK(t3d__shm_step_acquire(s, ex, &st)); /* free: t3d__shm_bcast_fits checked */
   root_write(s, &st, buf, 0, bytes, bytes);
-  root_post(s, &st);
-  return t3d__shm_check_peers_op(s, ex, bytes);
+  return root_post(s, ex, &st, bytes, 1);
 }
 
 t3d_result_t t3d__shm_bcast_finish(t3d_exec_t *ex, const t3d_shm_resume_t *rs, void *buf, size_t bytes, int root) {

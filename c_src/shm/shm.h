@@ -235,8 +235,8 @@ static inline void t3d__shm_set_cpu(t3d_shm_t *s, uint32_t v) {
 static inline void t3d__shm_note_cpu(t3d_shm_t *s) {
   if (s->cpu_aware) t3d__shm_set_cpu(s, (uint32_t)sched_getcpu() + 1u);
 }
-/* Rank p's current collective, then its previous one: kind words (t3d__shm_info_kind; t3d__exec_shm writes them,
- * t3d__shm_check_info quotes the first, t3d__shm_check_peers_op compares both). */
+/* Rank p's current collective: its kind word (t3d__shm_info_kind; t3d__exec_shm writes it, t3d__shm_check_info
+ * quotes it). */
 static inline _Atomic uint64_t *t3d__shm_opline(const t3d_shm_t *s, int p) {
   return (_Atomic uint64_t *)(void *)(s->ctrl + (size_t)p * T3D_SHM_CTRL_STRIDE + T3D_SHM_INFO_OFFSET +
                                       64 * (2 + T3D_SHM_SMALL_SLOTS));
@@ -376,11 +376,9 @@ t3d_result_t t3d__shm_check_info(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_ste
 static inline t3d_shm_t *t3d__exec_shm(t3d_exec_t *ex) {
   t3d_shm_t *s = ex->comm->shm;
   if (s->op_seq != ex->seq) {
-    _Atomic uint64_t *line = t3d__shm_opline(s, s->rank);
-    atomic_store_explicit(line + 1, atomic_load_explicit(line, memory_order_relaxed), memory_order_relaxed);
     s->op_seq = ex->seq;
     s->op_fp = ex->fp;
-    atomic_store_explicit(line, t3d__shm_info_kind(s, ex->kind), memory_order_relaxed);
+    atomic_store_explicit(t3d__shm_opline(s, s->rank), t3d__shm_info_kind(s, ex->kind), memory_order_relaxed);
   }
   return s;
 }
@@ -391,11 +389,14 @@ void t3d__shm_report_failure(t3d_shm_t *s, t3d_result_t res, const char *msg);
 int t3d__shm_process_gone(int32_t pid);
 t3d_result_t t3d__shm_check_all_info(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step_t *st, int kind,
                                      uint64_t sig);
-/* For a rank that reads no other rank's line (a broadcast's root): every peer that runs (or has just run) this
- * collective must run it with the same operation and fingerprint; T3D_ERR_MISMATCH with what each called if not.
- * Peers that have not come yet are not waited for: they compare when they come (readers the root's line, roots
- * this rank's current-collective line). */
-t3d_result_t t3d__shm_check_peers_op(t3d_shm_t *s, t3d_exec_t *ex, size_t bytes);
+/* For the one rank that writes in step st (a broadcast's root), after it showed the step's phase in its own line
+ * (t3d__shm_show_arrived) and a sequentially consistent fence: T3D_ERR_MISMATCH, with what each called, if a peer
+ * shows that phase in its line of st->h too, i.e. also writes in this step (names itself the root, or runs
+ * another collective that publishes there). Of two such ranks the later one finds the other (the fences order
+ * each one's store before its loads); in the usual case the peers' lines are not written meanwhile, so the loads
+ * cost no transfer between cores. */
+t3d_result_t t3d__shm_check_sole_writer(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step_t *st, int kind,
+                                        uint64_t sig);
 
 /* Sets the address in this rank's info line for the half of st (after t3d__shm_put_info). */
 static inline void t3d__shm_put_addr(t3d_shm_t *s, const t3d_shm_step_t *st, const void *addr) {

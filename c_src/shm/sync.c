@@ -42,10 +42,15 @@ void t3d__shm_step_begin_small(t3d_shm_t *s, int nphases, t3d_shm_step_t *st) {
 
 int t3d__shm_all_past(t3d_shm_t *s, uint64_t need) {
   if (s->seen_all >= need) return 1;
+  uint64_t least = UINT64_MAX;
   for (int p = 0; p < s->size; p++) {
-    if (p != s->rank && atomic_load_explicit(t3d__shm_flag(s, p), memory_order_acquire) < need) return 0;
+    if (p == s->rank) continue;
+    uint64_t v = atomic_load_explicit(t3d__shm_flag(s, p), memory_order_acquire);
+    if (v < need) return 0;
+    if (v < least) least = v;
   }
-  s->seen_all = need;
+  /* Flags only grow: what they show now answers the next checks too, until a step needs more. */
+  s->seen_all = least != UINT64_MAX ? least : need;
   return 1;
 }
 
@@ -324,24 +329,13 @@ t3d_result_t t3d__shm_check_all_info(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm
   return T3D_OK;
 }
 
-t3d_result_t t3d__shm_check_peers_op(t3d_shm_t *s, t3d_exec_t *ex, size_t bytes) {
-  uint64_t mine = t3d__shm_info_kind(s, ex->kind);
+t3d_result_t t3d__shm_check_sole_writer(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step_t *st, int kind,
+                                        uint64_t sig) {
   for (int p = 0; p < s->size; p++) {
     if (p == s->rank) continue;
-    const _Atomic uint64_t *line = t3d__shm_opline(s, p);
-    for (int i = 0; i < 2; i++) {
-      uint64_t w = atomic_load_explicit(line + i, memory_order_relaxed);
-      if (t3d__shm_kind_seq(w) != t3d__shm_kind_seq(mine) || w == mine) continue;
-      char theirs[96], ours[96];
-      t3d__fingerprint_text(t3d__shm_kind_fp(w), theirs, sizeof theirs);
-      t3d__fingerprint_text(s->op_fp, ours, sizeof ours);
-      snprintf(ex->error, sizeof ex->error, "t3d: %s #%llu on group '%s' (rank %d of %d): rank %d runs %s #%llu (%s) "
-               "where this rank runs %s of %zu bytes (%s) (ranks disagree on %s)", ex->opname,
-               (unsigned long long)ex->seq, ex->comm->name, ex->rank, ex->size, p,
-               t3d__op_name((t3d_op_kind_t)t3d__shm_kind_op(w)), (unsigned long long)ex->seq, theirs, ex->opname,
-               bytes, ours, t3d__shm_kind_op(w) != ex->kind ? "the operation" : "its dtype, reduce op or root");
-      return T3D_ERR_MISMATCH;
-    }
+    /* Phases are never handed out twice: this step's phase in a peer's line was put there in this step. */
+    if (atomic_load_explicit(&t3d__shm_info(s, p, st->h)->seq, memory_order_acquire) != st->base + 1) continue;
+    T3D_CHECK(t3d__shm_check_info(s, ex, st, p, kind, sig));
   }
   return T3D_OK;
 }

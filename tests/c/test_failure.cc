@@ -52,6 +52,43 @@ TEST(Failure, DesynchronisedCollectivesFailOnEveryRank) {
   }, o);
 }
 
+// Two ranks that each name themselves the root of one broadcast read nothing of each other's: the later one finds
+// the other's line in the same step (a small slot at 64 B, a half at 64 KiB), fails, and breaks the group, so the
+// earlier one fails in its next call. Neither may return normally from both calls.
+TEST(Failure, TwoRootsOfOneBroadcastAreFound) {
+  for (size_t n : {size_t{16}, size_t{16384}}) {
+    RunOptions o;
+    o.comm_timeout_ms = 60000;
+    o.name = "roots";
+    o.abort_on_failure = false;
+    RunRanks(2, [&](int rank, t3d_comm_t *comm) {
+      std::vector<float> x(n, float(rank + 1));
+      const auto t0 = Clock::now();
+      t3d_request_t *r = nullptr;
+      std::string err;
+      t3d_result_t res = t3d_broadcast(comm, x.data(), n, T3D_FLOAT32, rank, nullptr, &r);
+      res = Complete(res, r, &err);
+      const std::string bytes = std::to_string(n * 4);
+      const std::string finding = "rank " + std::to_string(1 - rank) + " runs broadcast of " + bytes +
+                                  " bytes \\(float32, root " + std::to_string(1 - rank) +
+                                  "\\) where this rank runs broadcast of " + bytes + " bytes \\(float32, root " +
+                                  std::to_string(rank) + "\\) \\(ranks disagree on its dtype, reduce op or root\\)";
+      if (res == T3D_OK) {
+        // The earlier root: told in its next call.
+        r = nullptr;
+        res = t3d_barrier(comm, nullptr, &r);
+        res = Complete(res, r, &err);
+        EXPECT_EQ(T3D_ERR_MISMATCH, res) << "rank " << rank << ", " << n << " floats: " << err;
+        EXPECT_NE(err.find("rank " + std::to_string(1 - rank) + " broke the group"), std::string::npos) << err;
+      } else {
+        EXPECT_EQ(T3D_ERR_MISMATCH, res) << "rank " << rank << ", " << n << " floats: " << err;
+        EXPECT_TRUE(std::regex_search(err, std::regex(finding))) << "rank " << rank << ": " << err;
+      }
+      EXPECT_LT(SecondsSince(t0), 10.0) << "rank " << rank;
+    }, o);
+  }
+}
+
 TEST(Failure, ATimeoutOnOneRankEndsTheOthersWaits) {
   RunOptions o;
   o.comm_timeout_ms = 60000;

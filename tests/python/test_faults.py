@@ -313,9 +313,9 @@ DESYNC = {
                                                                          "float32, root 1")},
              "its dtype, reduce op or root"),
 }
-# Roots read no other rank's line: the one that comes second finds the other's call in its current-collective line
-# (t3d__shm_check_peers_op), which holds no size.
-BY_OPLINE = {"root"}
+# Roots read no other rank's data: the one that comes second finds the other's line in the same step
+# (t3d__shm_check_sole_writer); the first returns and is told in its next call.
+TOLD_LATER = {"root"}
 
 
 @pytest.mark.timeout(60)
@@ -334,12 +334,12 @@ def test_desync_raises_on_every_rank_saying_what_each_called(case):
         ctx = f"t3d: {mine} #2 on group '0' (rank {r} of 2)"
         # Found here, or found by the peer and quoted (then in the peer's words).
         def said(who, other, op, nb, fp, oop, onb, ofp):  # rank `who`'s words about rank `other`
-            peer_call = f"{oop} #2 ({ofp})" if case in BY_OPLINE else f"{oop} of {onb} bytes ({ofp})"
+            peer_call = f"{oop} of {onb} bytes ({ofp})"
             return (f"t3d: {op} #2 on group '0' (rank {who} of 2): rank {other} runs {peer_call} where this rank runs "
                     f"{op} of {nb} bytes ({fp}) (ranks disagree on {differ})")
         found = said(r, p, mine, nbytes, myfp, theirs, pbytes, theirfp)
         told = f"{ctx} failed: rank {p} broke the group: " + said(p, r, theirs, pbytes, theirfp, mine, nbytes, myfp)
-        if case in BY_OPLINE:  # the first rank is told in its next call, the barrier
+        if case in TOLD_LATER:  # the first rank is told in its next call, the barrier
             told = (f"t3d: barrier #3 on rank {r} of group '0' failed: T3D_ERR_MISMATCH: t3d: barrier #3 on group '0' "
                     f"(rank {r} of 2) failed: rank {p} broke the group: "
                     + said(p, r, theirs, pbytes, theirfp, mine, nbytes, myfp))
