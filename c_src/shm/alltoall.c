@@ -1,7 +1,8 @@
 /* alltoall.c: alltoallv over a communicator's shared-memory segment: step k carries piece k of every block through
  * the sender's half, double-buffered, and each receiver copies its pieces out; past step 0, blocks in the
  * single-copy range are read straight from their owners (direct.c), and equal blocks (t3d_alltoall) in that range
- * take one single-copy step. Also in parts (step 0, or the single-copy step), for the inline path. */
+ * take one single-copy step; equal blocks small enough travel in their sender's info line. Also in parts (step 0,
+ * or the single-copy step, or the line), for the inline path. */
 #include "shm.h"
 
 #include <stdio.h>
@@ -210,6 +211,49 @@ static t3d_result_t a2a_equal_collect(t3d_shm_t *s, t3d_exec_t *ex, const t3d_sh
   return t3d__shm_direct_end(s, ex, st->base + 2, c.res);
 }
 
+/* Equal blocks (t3d_alltoall) whose blocks for the others fit together in T3D_SHM_INLINE_DATA bytes travel in the
+ * sender's info line, which receivers wait on anyway: one line crosses per peer instead of three (the info line,
+ * the table and the piece). Every rank was told the block size, so every rank chooses alike. */
+static int a2a_in_line(const t3d_shm_t *s, int equal, size_t blk) {
+  return equal && s->size > 1 && (size_t)(s->size - 1) * blk <= T3D_SHM_INLINE_DATA;
+}
+
+/* Where rank p's block for q (q != p) is in p's info line: the blocks for the others, in rank order. */
+static size_t a2a_line_at(int p, int q, size_t blk) { return (size_t)(q - (q > p)) * blk; }
+
+static t3d_result_t a2a_line_publish(t3d_shm_t *s, t3d_exec_t *ex, t3d_shm_step_t *st, const char *block0,
+                                     size_t blk) {
+  t3d__shm_step_begin(s, 2, st);
+  T3D_CHECK(t3d__shm_step_acquire(s, ex, st));
+  t3d__shm_put_inline(s, st, T3D_OP_ALLTOALLV, blk, NULL, 0);
+  char *line = t3d__shm_inline_data(s, s->rank, st->h);
+  for (int q = 0; q < s->size; q++) {
+    if (q != s->rank) memcpy(line + a2a_line_at(s->rank, q, blk), block0 + (size_t)q * blk, blk);
+  }
+  t3d__shm_post_arrived(s, st);
+  return T3D_OK;
+}
+
+static void a2a_line_from(void *arg, int p) {
+  a2a_equal_t *c = arg;
+  if (c->res == T3D_OK) c->res = t3d__shm_check_info(c->s, c->ex, c->st, p, T3D_OP_ALLTOALLV, c->blk);
+  if (c->res != T3D_OK) return;
+  memcpy(c->rb + (size_t)p * c->blk, t3d__shm_inline_data(c->s, p, c->st->h) + a2a_line_at(p, c->s->rank, c->blk),
+         c->blk);
+}
+
+static t3d_result_t a2a_line_collect(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step_t *st, const char *block0,
+                                     char *rb, size_t blk) {
+  a2a_equal_t c = {s, ex, st, rb, blk, T3D_OK};
+  t3d_shm_arrival_t a = t3d__shm_arrival(st);
+  T3D_CHECK(t3d__shm_wait_each(s, ex, st->base + 1, &a, a2a_line_from, &c));
+  T3D_CHECK(c.res);
+  size_t own = (size_t)s->rank * blk;
+  if (rb + own != block0 + own) memmove(rb + own, block0 + own, blk);
+  t3d__shm_post(s, st->base + 2);
+  return T3D_OK;
+}
+
 t3d_result_t t3d__shm_alltoallv(t3d_exec_t *ex, const void *sendbuf, const size_t *scounts, const size_t *sdispls,
                                 void *recvbuf, const size_t *rcounts, const size_t *rdispls, size_t es, int equal) {
   t3d_shm_t *s = t3d__exec_shm(ex);
@@ -229,9 +273,12 @@ t3d_result_t t3d__shm_alltoallv(t3d_exec_t *ex, const void *sendbuf, const size_
                                  &copy));
   t3d_result_t res;
   size_t blk = scounts[0] * es;
-  if (a2a_equal_direct(s, equal, blk)) {
-    const char *block0 = sb + (sdispls[0] * es - sbias);
-    t3d_shm_step_t st;
+  const char *block0 = sb + (sdispls[0] * es - sbias);
+  t3d_shm_step_t st;
+  if (a2a_in_line(s, equal, blk)) {
+    res = a2a_line_publish(s, ex, &st, block0, blk);
+    if (res == T3D_OK) res = a2a_line_collect(s, ex, &st, block0, (char *)recvbuf + rdispls[0] * es, blk);
+  } else if (a2a_equal_direct(s, equal, blk)) {
     res = a2a_equal_publish(s, ex, &st, block0, blk);
     if (res == T3D_OK) res = a2a_equal_collect(s, ex, &st, block0, (char *)recvbuf + rdispls[0] * es, blk);
   } else {
@@ -256,7 +303,10 @@ t3d_result_t t3d__shm_a2a_start(t3d_exec_t *ex, const void *sendbuf, const size_
   t3d_shm_t *s = t3d__exec_shm(ex);
   t3d_shm_step_t st;
   t3d_result_t res;
-  if (a2a_equal_direct(s, equal, scounts[0] * es)) {
+  if (a2a_in_line(s, equal, scounts[0] * es)) {
+    res = a2a_line_publish(s, ex, &st, (const char *)sendbuf + sdispls[0] * es, scounts[0] * es);
+    rs->by_line = 1;
+  } else if (a2a_equal_direct(s, equal, scounts[0] * es)) {
     res = a2a_equal_publish(s, ex, &st, (const char *)sendbuf + sdispls[0] * es, scounts[0] * es);
   } else {
     t3d__shm_step_begin(s, 2, &st);
@@ -273,6 +323,10 @@ t3d_result_t t3d__shm_a2a_finish(t3d_exec_t *ex, const t3d_shm_resume_t *rs, con
                                  const size_t *rdispls, size_t es, int equal) {
   t3d_shm_t *s = t3d__exec_shm(ex);
   t3d_shm_step_t st = {rs->h, rs->base, 0, 1};
+  if (a2a_in_line(s, equal, scounts[0] * es)) {
+    return a2a_line_collect(s, ex, &st, (const char *)sendbuf + sdispls[0] * es, (char *)recvbuf + rdispls[0] * es,
+                            scounts[0] * es);
+  }
   if (a2a_equal_direct(s, equal, scounts[0] * es)) {
     return a2a_equal_collect(s, ex, &st, (const char *)sendbuf + sdispls[0] * es, (char *)recvbuf + rdispls[0] * es,
                              scounts[0] * es);
