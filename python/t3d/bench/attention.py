@@ -27,7 +27,7 @@ def add_parser(sub) -> None:
                    help="cpu: t3d's CPU kernels vs SDPA; cuda: t3d's CUDA kernels vs SDPA's flash, efficient and cuDNN "
                         "backends (attention-cuda.json/.md; refuses in one line without a GPU) [cpu]")
     p.add_argument("--quick", action="store_true", help="a small subset (CPU: seq 512 and 2048, head_dim 64; "
-                                                        "CUDA: seq 1024 and 4096, head_dim 128)")
+                                                        "CUDA: seq 1024 and 4096 at head_dim 128, 1024 at 64)")
     p.add_argument("--seqs", type=int, nargs="*", help="sequence lengths (default 512..8192, quick: 512 2048)")
     p.add_argument("--threads", type=int, default=0, help="intra-op threads (default: torch's default)")
     p.add_argument("--min-time", type=float, default=0.4, help="seconds of timed runs per cell (at least 2 runs)")
