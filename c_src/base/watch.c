@@ -162,7 +162,18 @@ static void peer_lost(peer_t *p, const char *why) {
   }
 }
 
+/* The failure itself in a message that relays others: what follows its last "broke the group: ". A failure that
+ * travels through several ranks (a host's part, then the other host, then a rank that had not run yet) would
+ * otherwise nest one relay in the next until the failure itself is cut off the end of the message. */
+static const char *innermost_failure(const char *msg) {
+  static const char key[] = "broke the group: ";
+  const char *at = msg, *q;
+  while ((q = strstr(at, key)) != NULL) at = q + sizeof key - 1;
+  return at;
+}
+
 static void on_abort(peer_t *p, const frame_t *f, const char *msg) {
+  msg = innermost_failure(msg);
   for (struct t3d_watch_reg *g = W.regs; g != NULL; g = g->next) {
     if (g->group != f->group || f->rank < 0 || f->rank >= g->comm->size || g->peers[f->rank] != p) continue;
     if (f->origin < 0 || f->origin >= g->comm->size) continue;
