@@ -47,16 +47,16 @@ def peak_tflops(name: str) -> float | None:
 
 
 def configs(quick: bool, seqs=None) -> list[dict]:
+    seqs = seqs or (QUICK_SEQS if quick else FULL_SEQS)
+    # quick: head_dim 64 at the shortest sequence only
+    shapes = [(d, s) for d in (64, 128) for s in seqs if not quick or d == 128 or s == min(seqs)]
     out = []
     for dtype in ("bfloat16", "float16"):
         for causal in (True, False):
-            for d in (64, 128):
-                for s in (seqs or (QUICK_SEQS if quick else FULL_SEQS)):
-                    if quick and d == 64 and s != min(seqs or QUICK_SEQS):
-                        continue  # quick: head_dim 64 at the shortest sequence only
-                    # batch 4 x 16 heads up to 4096 tokens, fewer heads beyond (the work grows with s^2)
-                    h = max(1, min(16, 16 * 4096 * 4096 // (s * s)))
-                    out.append(dict(dtype=dtype, causal=causal, seq=s, heads=h, head_dim=d, batch=4))
+            for d, s in shapes:
+                # batch 4 x 16 heads up to 4096 tokens, fewer heads beyond (the work grows with s^2)
+                h = max(1, min(16, 16 * 4096 * 4096 // (s * s)))
+                out.append(dict(dtype=dtype, causal=causal, seq=s, heads=h, head_dim=d, batch=4))
     return out
 
 
