@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Where the CPU time of a training step goes, on every core at once: perf samples the whole machine while t3d-train
+# runs (from a few seconds after its first step, for a fixed window), and scripts/perf_step_summary.py groups the
+# samples by what ran (the Python interpreter, torch's C++, tensor kernels, the backend's library, the kernel's
+# scheduling and networking, idle cores) and turns the shares into core-milliseconds per step.
+#
+# Usage: scripts/profile-step.sh [BACKEND] [t3d-train arguments...]
+#   e.g. scripts/profile-step.sh t3d; scripts/profile-step.sh gloo; scripts/profile-step.sh t3d --dp 1 --cp 1
+# Needs perf (Debian: linux-perf) and permission to sample every CPU (root, or kernel.perf_event_paranoid <= 0).
+# PROFILE_WARM_S (default 3) and PROFILE_WINDOW_S (default 10) set the window; the step count is chosen to outlast it.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+BACKEND="${1:-t3d}"
+[ $# -gt 0 ] && shift
+WARM="${PROFILE_WARM_S:-3}"
+WINDOW="${PROFILE_WINDOW_S:-10}"
+command -v perf > /dev/null || { echo "profile-step: perf is not installed (Debian: apt-get install linux-perf)" >&2; exit 2; }
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+VENV="$("$ROOT/scripts/setup.sh" 2> "$work/setup.log" | tail -n 1)" || { cat "$work/setup.log" >&2; exit 1; }
+CORES="$(getconf _NPROCESSORS_ONLN)" # not nproc, which follows OMP_NUM_THREADS
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+mkfifo "$work/ctl"
+# Steps enough for the window at up to 0.5 s a step; the loop's own summary gives the step time.
+steps=$(( (WARM + WINDOW) * 2 + 10 ))
+perf record -q -a -F 499 -D -1 --control "fifo:$work/ctl" -o "$work/perf.data" -- \
+  "$VENV/bin/python" -m t3d.train --backend "$BACKEND" --steps "$steps" --no-progress --ckpt-dir "$work/ckpt" "$@" \
+  > "$work/train.log" 2>&1 &
+pid=$!
+exec 3> "$work/ctl" # perf reads the fifo from its start
+for _ in $(seq 600); do
+  grep -q "^.*step 1 on rank 0" "$work/train.log" 2> /dev/null && break
+  kill -0 "$pid" 2> /dev/null || break
+  sleep 0.5
+done
+grep -q "step 1 on rank 0" "$work/train.log" || { cat "$work/train.log" >&2; echo "profile-step: the loop never started" >&2; exit 1; }
+sleep "$WARM"
+echo enable >&3
+sleep "$WINDOW"
+echo disable >&3
+wait "$pid" || { tail -20 "$work/train.log" >&2; echo "profile-step: t3d-train failed" >&2; exit 1; }
+exec 3>&-
+step_ms="$(sed -n 's/.*step time [0-9.]* ms mean (\([0-9.]*\) ms median.*/\1/p' "$work/train.log" | tail -1)"
+grep -E "^summary|step time" "$work/train.log"
+"$VENV/bin/python" "$ROOT/scripts/perf_step_summary.py" "$work/perf.data" --backend "$BACKEND" --step-ms "$step_ms" \
+  --cores "$CORES"
