@@ -3,7 +3,8 @@
 
     scripts/perf_step_summary.py perf.data --backend t3d --step-ms 166 --cores 2
 
-Each sample is put in one group by its process, library and symbol. With the step time and the number of cores,
+Each sample is put in one group by its thread's name (the backends' own threads: t3d's progress and watch threads,
+gloo's transport and work threads; the launcher's), else by its library and symbol. With the step time and the number of cores,
 a group's share of the samples becomes core-milliseconds per step. The backend's own cost is its library (libt3d,
 UCX; gloo's code inside libtorch_cpu; Open MPI; NCCL) and the kernel's scheduling and networking that its waits and
 transfers cause. The interpreter, torch's C++ and bindings and the tensor kernels run the model and the parallelism
@@ -23,14 +24,16 @@ GROUPS = [
     "torch Python bindings",
     "tensor kernels",
     "libc (malloc, memcpy)",
+    "backend threads",
     "backend library",
     "kernel: scheduling, yields, futexes",
     "kernel: networking",
     "kernel: other",
     "idle cores",
+    "launcher (t3d-train, torchrun)",
     "other",
 ]
-BACKEND_COST = {"backend library", "kernel: scheduling, yields, futexes", "kernel: networking"}
+BACKEND_COST = {"backend threads", "backend library", "kernel: scheduling, yields, futexes", "kernel: networking"}
 MODEL_WORK = {"Python interpreter", "torch C++ (dispatch, autograd, allocation)", "torch Python bindings",
               "tensor kernels"}
 LINE = re.compile(r"\s+([0-9.]+)%\s+(\S+)\s+(\S+)\s+\[(.)\]\s+(.*)")
@@ -41,9 +44,17 @@ NET = re.compile(r"tcp|udp|skb|sock|net_|netif|ip_|ipv|epoll|ep_|poll|loopback|v
 IDLE = re.compile(r"safe_halt|default_idle|cpu_idle|do_idle|intel_idle|acpi_idle|mwait")
 
 
+BACKEND_THREADS = {"t3d_progress", "t3d_watch", "gloo_tcp_loop", "pt_gloo_runloop"}
+LAUNCHER = {"t3d-train", "pt_elastic", "torchrun"}
+
+
 def group(comm: str, dso: str, sym: str) -> str:
     if comm == "swapper" or IDLE.search(sym):
         return "idle cores"
+    if comm in BACKEND_THREADS:
+        return "backend threads"
+    if comm in LAUNCHER:
+        return "launcher (t3d-train, torchrun)"
     if re.search(r"libt3d\.so|libuc[pst]|libmpi|libopen-p|libnccl", dso) or BACKEND_SYM.search(sym):
         return "backend library"
     if dso.startswith("[kernel") or dso == "[unknown]" and sym.startswith("0xffff"):
@@ -65,15 +76,23 @@ def group(comm: str, dso: str, sym: str) -> str:
     return "other"
 
 
-def shares(path: str) -> Counter:
-    out = subprocess.run(["perf", "report", "-i", path, "--no-children", "--sort", "comm,dso,sym", "--stdio",
-                          "-F", "overhead,comm,dso,sym"], capture_output=True, text=True, check=True).stdout
+def shares(report: str) -> Counter:
+    """Percent of the samples per group, from `perf report --stdio -F overhead,comm,dso,sym` text."""
     c = Counter()
-    for line in out.splitlines():
+    for line in report.splitlines():
         m = LINE.match(line)
         if m:
             c[group(m.group(2), m.group(3), m.group(5).strip())] += float(m.group(1))
     return c
+
+
+def split(c: Counter, step_ms: float, cores: int) -> dict:
+    """Core-ms per step of the backend's own cost and of the model's work, and the shortest step the latter allows."""
+    total = sum(c.values())
+    per_step = step_ms * cores
+    own = per_step * sum(c[g] for g in BACKEND_COST) / total
+    model = per_step * sum(c[g] for g in MODEL_WORK) / total
+    return {"per_step": per_step, "own": own, "model": model, "bound_ms": model / cores}
 
 
 def main() -> int:
@@ -83,24 +102,25 @@ def main() -> int:
     ap.add_argument("--step-ms", type=float, required=True, help="the run's median step time")
     ap.add_argument("--cores", type=int, required=True)
     a = ap.parse_args()
-    c = shares(a.data)
+    report = subprocess.run(["perf", "report", "-i", a.data, "--no-children", "--sort", "comm,dso,sym", "--stdio",
+                             "-F", "overhead,comm,dso,sym"], capture_output=True, text=True, check=True).stdout
+    c = shares(report)
     total = sum(c.values())
     if total <= 0:
         print("perf_step_summary: no samples", file=sys.stderr)
         return 1
-    per_step = a.step_ms * a.cores  # core-ms the machine has per step
+    parts = split(c, a.step_ms, a.cores)
+    per_step = parts["per_step"]  # core-ms the machine has per step
     print(f"\nbackend {a.backend}: {a.step_ms:.1f} ms per step x {a.cores} cores = {per_step:.0f} core-ms per step\n")
     print("| what ran | share of samples | core-ms per step |")
     print("|---|---|---|")
     for g in GROUPS:
         if c[g] > 0:
             print(f"| {g} | {100 * c[g] / total:.1f}% | {per_step * c[g] / total:.1f} |")
-    own = sum(c[g] for g in BACKEND_COST) / total
-    model = sum(c[g] for g in MODEL_WORK) / total
-    print(f"\nthe backend's own cost (its library, scheduling, networking): {100 * own:.1f}% = "
-          f"{per_step * own:.1f} core-ms per step")
-    print(f"the model's work (interpreter, torch, tensor kernels): {per_step * model:.1f} core-ms; over {a.cores} "
-          f"cores no backend makes a step shorter than {per_step * model / a.cores:.1f} ms")
+    print(f"\nthe backend's own cost (its threads, its library, scheduling, networking): {100 * parts['own'] / per_step:.1f}% = "
+          f"{parts['own']:.1f} core-ms per step")
+    print(f"the model's work (interpreter, torch, tensor kernels): {parts['model']:.1f} core-ms; over {a.cores} "
+          f"cores no backend makes a step shorter than {parts['bound_ms']:.1f} ms")
     return 0
 
 

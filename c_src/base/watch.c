@@ -269,6 +269,7 @@ static void check_silence(uint64_t now) {
 
 static void *watch_main(void *arg) {
   (void)arg;
+  pthread_setname_np(pthread_self(), "t3d_watch");
   int64_t beat_ms = W.silence_ms / 5 > 0 ? W.silence_ms / 5 : 1;
   uint64_t next_beat = 0;
   struct pollfd *fds = NULL;

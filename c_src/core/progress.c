@@ -62,6 +62,8 @@ static void run_request(t3d_comm_t *comm, t3d_request_t *r) {
 
 void *t3d__progress_main(void *arg) {
   t3d_comm_t *comm = arg;
+  /* Named for top, perf and gdb (scripts/profile-step.sh counts this thread as the backend's). */
+  pthread_setname_np(pthread_self(), "t3d_progress");
   t3d_backoff_t b = {0};
   unsigned idle_ms = 1;
   for (;;) {

@@ -1,5 +1,6 @@
 // test_comm.cc: communicator life cycle: init and its failures, split, two communicators used concurrently, argument
 // checking with named errors, operation timeouts, and abort from another thread.
+#include <dirent.h>
 #include <gtest/gtest.h>
 #include <sys/statvfs.h>
 
@@ -8,6 +9,7 @@
 #include <cctype>
 #include <chrono>
 #include <cstring>
+#include <fstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -62,6 +64,37 @@ TEST(Comm, BasicProperties) {
       EXPECT_STRNE(t3d_comm_transport(comm), "");
     });
   }
+}
+
+// Threads of this process named `name` (/proc/self/task/*/comm).
+int ThreadsNamed(const std::string &name) {
+  int n = 0;
+  DIR *d = opendir("/proc/self/task");
+  if (d == nullptr) return -1;
+  for (dirent *e = readdir(d); e != nullptr; e = readdir(d)) {
+    if (e->d_name[0] == '.') continue;
+    std::ifstream f(std::string("/proc/self/task/") + e->d_name + "/comm");
+    std::string comm;
+    if (std::getline(f, comm) && comm == name) n++;
+  }
+  closedir(d);
+  return n;
+}
+
+// Each communicator's progress thread carries a name that top, perf and gdb show (scripts/profile-step.sh counts
+// it as the backend's). The thread names itself when it starts: wait for it a little.
+TEST(Comm, ProgressThreadIsNamed) {
+  const int before = ThreadsNamed("t3d_progress");
+  ASSERT_GE(before, 0) << "no /proc/self/task";
+  RunRanks(2, [before](int rank, t3d_comm_t *comm) {
+    (void)comm;
+    if (rank != 0) return;
+    int n = 0;
+    for (int i = 0; i < 200 && (n = ThreadsNamed("t3d_progress")) < before + 2; i++) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    EXPECT_GE(n, before + 2) << "expected a thread named t3d_progress per communicator (2 ranks in this process)";
+  });
 }
 
 TEST(Comm, ConfigDefaults) {
