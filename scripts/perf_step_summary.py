@@ -3,14 +3,14 @@
 
     scripts/perf_step_summary.py perf.data --backend t3d --step-ms 166 --cores 2
 
-Each sample is put in one group by its thread's name (the backends' own threads: t3d's progress and watch threads,
-gloo's transport and work threads; the launcher's), else by its library and symbol. With the step time and the number of cores,
-a group's share of the samples becomes core-milliseconds per step. The backend's own cost is its library (libt3d,
-UCX; gloo's code inside libtorch_cpu; Open MPI; NCCL) and the kernel's scheduling and networking that its waits and
-transfers cause. The interpreter, torch's C++ and bindings and the tensor kernels run the model and the parallelism
-in Python whatever the backend: that work over the cores bounds the step from below on any backend. libc, the
-kernel's system-call entry and interrupts, and what perf cannot name are counted in neither (either side may cause
-them).
+Each sample is put in one group by its thread's name (the backends' own threads: t3d's progress and watch
+threads, gloo's transport and work threads; the launcher's), else by its library and symbol. With the step time and
+the number of cores, a group's share of the samples becomes core-milliseconds per step. The backend's own cost is
+its threads, its library (libt3d, UCX; gloo's code inside libtorch_cpu; Open MPI; NCCL) and the kernel's scheduling
+and networking that its waits and transfers cause. The interpreter, torch's C++ and bindings and the tensor kernels
+run the model and the parallelism in Python whatever the backend: that work over the cores bounds the step from
+below on any backend. libc, the kernel's system-call entry and interrupts, and what perf cannot name are counted in
+neither (either side may cause them).
 """
 import argparse
 import re
@@ -42,8 +42,6 @@ BACKEND_SYM = re.compile(r"gloo::|ProcessGroupGloo|ProcessGroupMPI|nccl", re.I)
 SCHED = re.compile(r"sched|yield|futex|switch|schedule|_task|update_curr|pick_next|wake")
 NET = re.compile(r"tcp|udp|skb|sock|net_|netif|ip_|ipv|epoll|ep_|poll|loopback|veth|dev_queue|__sys_(send|recv)")
 IDLE = re.compile(r"safe_halt|default_idle|cpu_idle|do_idle|intel_idle|acpi_idle|mwait")
-
-
 BACKEND_THREADS = {"t3d_progress", "t3d_watch", "gloo_tcp_loop", "pt_gloo_runloop"}
 LAUNCHER = {"t3d-train", "pt_elastic", "torchrun"}
 
@@ -57,7 +55,7 @@ def group(comm: str, dso: str, sym: str) -> str:
         return "launcher (t3d-train, torchrun)"
     if re.search(r"libt3d\.so|libuc[pst]|libmpi|libopen-p|libnccl", dso) or BACKEND_SYM.search(sym):
         return "backend library"
-    if dso.startswith("[kernel") or dso == "[unknown]" and sym.startswith("0xffff"):
+    if dso.startswith("[kernel") or (dso == "[unknown]" and sym.startswith("0xffff")):
         if SCHED.search(sym):
             return "kernel: scheduling, yields, futexes"
         if NET.search(sym):
@@ -117,8 +115,8 @@ def main() -> int:
     for g in GROUPS:
         if c[g] > 0:
             print(f"| {g} | {100 * c[g] / total:.1f}% | {per_step * c[g] / total:.1f} |")
-    print(f"\nthe backend's own cost (its threads, its library, scheduling, networking): {100 * parts['own'] / per_step:.1f}% = "
-          f"{parts['own']:.1f} core-ms per step")
+    print(f"\nthe backend's own cost (its threads, its library, scheduling, networking): "
+          f"{100 * parts['own'] / per_step:.1f}% = {parts['own']:.1f} core-ms per step")
     print(f"the model's work (interpreter, torch, tensor kernels): {parts['model']:.1f} core-ms; over {a.cores} "
           f"cores no backend makes a step shorter than {parts['bound_ms']:.1f} ms")
     return 0

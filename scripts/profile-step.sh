@@ -14,7 +14,10 @@ BACKEND="${1:-t3d}"
 [ $# -gt 0 ] && shift
 WARM="${PROFILE_WARM_S:-3}"
 WINDOW="${PROFILE_WINDOW_S:-10}"
-command -v perf > /dev/null || { echo "profile-step: perf is not installed (Debian: apt-get install linux-perf)" >&2; exit 2; }
+if ! command -v perf > /dev/null; then
+  echo "profile-step: perf is not installed (Debian: apt-get install linux-perf)" >&2
+  exit 2
+fi
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 VENV="$("$ROOT/scripts/setup.sh" 2> "$work/setup.log" | tail -n 1)" || { cat "$work/setup.log" >&2; exit 1; }
@@ -27,13 +30,18 @@ perf record -q -a -F 499 -D -1 --control "fifo:$work/ctl" -o "$work/perf.data" -
   "$VENV/bin/python" -m t3d.train --backend "$BACKEND" --steps "$steps" --no-progress --ckpt-dir "$work/ckpt" "$@" \
   > "$work/train.log" 2>&1 &
 pid=$!
-exec 3> "$work/ctl" # perf reads the fifo from its start
+# Read-write, so that opening it never waits for perf (a perf that failed to start would leave no reader).
+exec 3<> "$work/ctl"
 for _ in $(seq 600); do
-  grep -q "^.*step 1 on rank 0" "$work/train.log" 2> /dev/null && break
+  grep -q "step 1 on rank 0" "$work/train.log" 2> /dev/null && break
   kill -0 "$pid" 2> /dev/null || break
   sleep 0.5
 done
-grep -q "step 1 on rank 0" "$work/train.log" || { cat "$work/train.log" >&2; echo "profile-step: the loop never started" >&2; exit 1; }
+if ! grep -q "step 1 on rank 0" "$work/train.log"; then
+  cat "$work/train.log" >&2
+  echo "profile-step: the loop never started" >&2
+  exit 1
+fi
 sleep "$WARM"
 echo enable >&3
 sleep "$WINDOW"
@@ -41,6 +49,11 @@ echo disable >&3
 wait "$pid" || { tail -20 "$work/train.log" >&2; echo "profile-step: t3d-train failed" >&2; exit 1; }
 exec 3>&-
 step_ms="$(sed -n 's/.*step time [0-9.]* ms mean (\([0-9.]*\) ms median.*/\1/p' "$work/train.log" | tail -1)"
+if [ -z "$step_ms" ]; then
+  tail -20 "$work/train.log" >&2
+  echo "profile-step: no step time in t3d-train's summary" >&2
+  exit 1
+fi
 grep -E "^summary|step time" "$work/train.log"
 "$VENV/bin/python" "$ROOT/scripts/perf_step_summary.py" "$work/perf.data" --backend "$BACKEND" --step-ms "$step_ms" \
   --cores "$CORES"
