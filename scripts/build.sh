@@ -11,6 +11,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$1"; shift || true
 BUILD="${T3D_BUILD_DIR:-$ROOT/build}"
+. "$ROOT/scripts/ccache-env.sh"
 JOBS="$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)"  # GNU nproc honours OMP_NUM_THREADS, not a build limit
 
 # The venv is shared by every clone on this machine (it is keyed by requirements.txt only), so its editable install

@@ -17,7 +17,7 @@ if [ "${1:-}" = "--stack" ]; then
 fi
 
 # 1. Debian packages. Only missing ones are installed; apt needs root (or sudo).
-DEB_PKGS=(build-essential cmake pkg-config libucx-dev ucx-utils googletest libgtest-dev python3-venv)
+DEB_PKGS=(build-essential cmake pkg-config libucx-dev ucx-utils googletest libgtest-dev python3-venv ccache)
 missing=()
 for p in "${DEB_PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")

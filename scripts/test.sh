@@ -12,6 +12,8 @@ T_STAGE=$SECONDS
 stage_done() { TIMES="$TIMES$1 $((SECONDS - T_STAGE)) s, "; T_STAGE=$SECONDS; }
 trap 'echo "== stage times: ${TIMES}total $SECONDS s"' EXIT
 VENV="$(scripts/setup.sh | tail -n 1)"
+# The builds below (the ASan one, the oldest stack's wheel, the tests' own) go through ccache as setup's did.
+. "$ROOT/scripts/ccache-env.sh"
 stage_done "setup+build"
 JOBS="$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)"  # GNU nproc honours OMP_NUM_THREADS, set below for the ranks
 
