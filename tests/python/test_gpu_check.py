@@ -47,9 +47,11 @@ def _static_only_gxx(where):
     lib.mkdir(parents=True)
     os.symlink(static, lib / "libstdc++.a")
     gxx = where / "g++"
+    # Its library directory is found from the script's own path, so that every test run's wrapper has the same
+    # content (ccache, scripts/ccache-env.sh, knows a compiler by its content: the same one hits its cache).
     gxx.write_text("#!/bin/sh\n"
                    'for a in "$@"; do [ "$a" = -print-file-name=libstdc++.so ] && { echo libstdc++.so; exit 0; }; done\n'
-                   f'exec {real} -L{lib} "$@"\n')
+                   f'exec {real} -L"$(dirname "$0")/lib" "$@"\n')
     gxx.chmod(0o755)
     return str(gxx)
 
