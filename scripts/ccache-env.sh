@@ -2,8 +2,9 @@
 # installed (setup.sh installs it), with the cache outside the clone, like the venvs, so that a fresh clone on this
 # machine (CI's) reuses the objects of earlier builds: a cold developer build takes about 150 s on 2 cores, a warm
 # one about 30. Paths under the clone are hashed relative to it (CCACHE_BASEDIR) and the build directory is left out
-# (CCACHE_NOHASHDIR), so clones at different paths share hits; a compiler is known by its content, so a wrapper
-# script made afresh by a test is still the same compiler. CMake reads the launcher variables on a build directory's
+# (CCACHE_NOHASHDIR), so clones at different paths share hits for build directories inside them (one outside, as
+# test_gpu_check's, hits from the same clone path only); a compiler is known by its content, so a wrapper script made
+# afresh by a test is still the same compiler. CMake reads the launcher variables on a build directory's
 # first configure only. T3D_CCACHE=0 turns this off; a launcher or cache directory already set is kept.
 if [ "${T3D_CCACHE:-1}" != 0 ] && command -v ccache >/dev/null 2>&1; then
   export CCACHE_DIR="${CCACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/t3d/ccache}"

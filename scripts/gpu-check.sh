@@ -524,7 +524,8 @@ step_bench() {
     echo "\`t3d-bench attention\` has no --device option in this tree: ran the CPU benchmark" \
          "(--quick --threads $JOBS) instead" >"$STEP_DETAIL"
   fi
-  { echo '```'; tail -n 120 "$STATE/bench.out" | cut -c1-400; echo '```'; } >"$STEP_SHOW"
+  # The whole output (the quick mode's is about 80 lines): a tail cut off its first rows.
+  { echo '```'; cut -c1-400 "$STATE/bench.out"; echo '```'; } >"$STEP_SHOW"
 }
 step_bench_collectives() {
   # t3d through torch against NCCL on CUDA tensors, one rank per GPU (NCCL, and t3d's CUDA path with it, refuses
