@@ -6,7 +6,8 @@
 
 Per operation and size: the median over the runs of t3d's time and of Open MPI's (each run pairs them back to
 back), their ratio (Open MPI's time over t3d's: above 1, t3d is faster), and per operation the range of that ratio
-and the sizes where Open MPI is faster. Prints markdown; `--out` also writes it.
+and the sizes where Open MPI is faster. Prints markdown; `--out` also writes it, `--plot` draws the ratio against
+the size, one line per operation (PNG).
 """
 import argparse
 import os
@@ -26,25 +27,51 @@ def read(path):
     return {(op, size): us for (op, column, size), us in rows.items() if column in ("auto", "mpi")}
 
 
-def summary(ranks, dirs):
+def ratios(ranks, dirs):
+    """{op: [(bytes, t3d median us, Open MPI median us)]} over the runs, sizes every run has on both sides."""
     t3d = [read(os.path.join(d, f"collectives-c-{ranks}ranks.txt")) for d in dirs]
     mpi = [read(os.path.join(d, f"collectives-c-mpi-{ranks}ranks.txt")) for d in dirs]
+    out = {}
+    for op in OPS:
+        keys = sorted(k for k in t3d[0] if k[0] == op and all(k in r for r in t3d + mpi))
+        if keys:
+            out[op] = [(k[1], statistics.median(r[k] for r in t3d), statistics.median(r[k] for r in mpi))
+                       for k in keys]
+    return out
+
+
+def summary(ranks, dirs):
     lines = [f"t3d_bench_c against Open MPI's mpi_bench_c, {ranks} ranks, medians of {len(dirs)} runs of "
              f"`scripts/bench-c.sh {ranks}`; Open MPI's time over t3d's (above 1: t3d is faster)", "",
              "| op | Open MPI / t3d | where Open MPI is faster (ratio; t3d / Open MPI us) |", "|---|---|---|"]
-    for op in OPS:
-        keys = sorted(k for k in t3d[0] if k[0] == op and all(k in r for r in t3d + mpi))
-        if not keys:
-            continue
-        ratios, faster = [], []
-        for k in keys:
-            t = statistics.median(r[k] for r in t3d)
-            m = statistics.median(r[k] for r in mpi)
-            ratios.append(m / t)
-            if m < t:
-                faster.append(f"{human(k[1])} ({m / t:.2f}; {t:.2f} / {m:.2f})")
-        lines.append(f"| {op} | {min(ratios):.2f}-{max(ratios):.2f} | {', '.join(faster) or 'nowhere'} |")
+    for op, rows in ratios(ranks, dirs).items():
+        rs = [m / t for _, t, m in rows]
+        faster = [f"{human(size)} ({m / t:.2f}; {t:.2f} / {m:.2f})" for size, t, m in rows if m < t]
+        lines.append(f"| {op} | {min(rs):.2f}-{max(rs):.2f} | {', '.join(faster) or 'nowhere'} |")
     return "\n".join(lines) + "\n"
+
+
+def plot(ranks, dirs, path):
+    """Open MPI's time over t3d's against the size, one line per operation, 1 drawn across."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.8), dpi=110)
+    for op, rows in ratios(ranks, dirs).items():
+        ax.plot([size for size, _, _ in rows], [m / t for _, t, m in rows], marker="o", ms=3, label=op)
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel("bytes")
+    ax.set_ylabel("Open MPI time / t3d time")
+    ax.set_title(f"C level, {ranks} ranks, medians of {len(dirs)} runs (above 1: t3d is faster)", fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
 
 
 def main():
@@ -52,12 +79,15 @@ def main():
     p.add_argument("ranks", type=int)
     p.add_argument("dirs", nargs="+")
     p.add_argument("--out")
+    p.add_argument("--plot", help="also draw the ratios into this PNG")
     a = p.parse_args()
     text = summary(a.ranks, a.dirs)
     print(text, end="")
     if a.out:
         with open(a.out, "w") as f:
             f.write(text)
+    if a.plot:
+        plot(a.ranks, a.dirs, a.plot)
     return 0
 
 

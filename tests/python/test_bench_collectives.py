@@ -196,3 +196,14 @@ def test_cuda_attention_table_and_peak():
     assert "| bfloat16 | yes | 1024 | 4x16 | 128 | flash | 1.00 | 989.40 | 3.50 | 800.00 |" in md, md
     assert "| efficient | refused: No available kernel |" in md, md
     assert "t3d vs SDPA: max abs diff 3.9e-03" in md, md
+
+
+def test_attention_plot_is_written_from_rows(tmp_path):
+    from t3d.bench import attention as ba
+
+    rows = [dict(dtype="float32", causal=True, seq=512, heads=4, kv_heads=4, head_dim=64, fwd_ratio=1.2,
+                 fwdbwd_ratio=0.9),
+            dict(dtype="bfloat16", causal=True, seq=1024, heads=4, kv_heads=1, head_dim=128, fwd_ratio=2.0,
+                 fwdbwd_ratio=2.5)]
+    path = ba._plot(rows, tmp_path / "attention.png")
+    assert path == tmp_path / "attention.png" and path.stat().st_size > 1000

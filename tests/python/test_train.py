@@ -143,9 +143,10 @@ def test_gloo_runs_dp_and_cp_and_matches_t3d(reference, model_cache, tmp_path):
 
 
 @pytest.mark.timeout(600)
-def test_compare_backends_table(model_cache):
+def test_compare_backends_table(model_cache, tmp_path):
+    out = tmp_path / "cmp"
     cmd = [sys.executable, "-m", "t3d.train", "--compare-backends", "--compare-layouts", "1x2x1,2x1x1",
-           "--compare-rounds", "1", "--steps", "2", "--no-progress"]
+           "--compare-rounds", "1", "--steps", "2", "--no-progress", "--compare-out", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1", T3D_MODEL_CACHE=model_cache)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -158,6 +159,13 @@ def test_compare_backends_table(model_cache):
     for t3d_row, gloo_row in ((rows[0], rows[1]), (rows[2], rows[3])):
         assert t3d_row[5] == "" and abs(float(gloo_row[5]) - float(gloo_row[3]) / float(t3d_row[3])) < 0.02, rows
         assert t3d_row[6] == gloo_row[6], rows  # the same losses on both backends
+    # --compare-out: the same table, its rows with every run's step time, and a plot.
+    assert (out / "compare-backends.md").read_text().count("| dp") == 4
+    saved = json.loads((out / "compare-backends.json").read_text())["rows"]
+    assert [(r["layout"], r["backend"]) for r in saved] == [(r[0], r[2]) for r in rows], saved
+    for r, row in zip(saved, rows):
+        assert f"{r['step_time_s'] * 1000:.1f}" == row[3] and len(r["runs_step_time_s"]) == 1, (r, row)
+    assert (out / "compare-backends.png").stat().st_size > 1000
 
 
 @pytest.mark.timeout(600)

@@ -214,8 +214,41 @@ def run(args) -> int:
         (out_dir / "attention.json").write_text(json.dumps({"meta": meta, "summary": summary, "rows": rows},
                                                            indent=1) + "\n")
         (out_dir / "attention.md").write_text(_markdown(meta, summary, rows))
-        print(f"wrote {out_dir / 'attention.json'} and {out_dir / 'attention.md'}")
+        png = _plot(rows, out_dir / "attention.png")
+        print(f"wrote {out_dir / 'attention.json'}, {out_dir / 'attention.md'}" + (f" and {png}" if png else ""))
     return 0
+
+
+def _plot(rows, path: Path):
+    """torch's time over t3d's for every row, forward and forward+backward, one panel per dtype; None without
+    matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    dtypes = list(dict.fromkeys(r["dtype"] for r in rows))
+    most = max(sum(r["dtype"] == dt for r in rows) for dt in dtypes)
+    fig, axes = plt.subplots(len(dtypes), 1, figsize=(max(6.0, 0.7 * most + 1.5), 3.2 * len(dtypes)),
+                             squeeze=False, dpi=100)
+    for ax, dt in zip(axes[:, 0], dtypes):
+        sel = [r for r in rows if r["dtype"] == dt]
+        xs = range(len(sel))
+        ax.bar([x - 0.2 for x in xs], [r["fwd_ratio"] for r in sel], width=0.4, label="forward")
+        ax.bar([x + 0.2 for x in xs], [r["fwdbwd_ratio"] for r in sel], width=0.4, label="forward+backward")
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.set_xticks(list(xs), [f"{'c' if r['causal'] else 'nc'}{' gqa' if r['kv_heads'] != r['heads'] else ''} d{r['head_dim']}\n{r['seq']}"
+                                for r in sel], fontsize=7)
+        ax.set_ylabel("torch SDPA time / t3d time")
+        ax.set_title(f"{dt} (above 1: t3d faster; c = causal, d = head dim, sequence)", fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
 
 
 def _default_out_dir() -> Path:

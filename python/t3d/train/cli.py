@@ -95,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--compare-rounds", type=int, default=2,
                    help="runs of each backend per layout for --compare-backends, alternating t3d, gloo, t3d, ... "
                         "(the table shows medians) [2]")
+    g.add_argument("--compare-out", default=None,
+                   help="--compare-backends also writes its table, every run's numbers and a plot here "
+                        "(compare-backends.md, .json, .png)")
     return p
 
 
@@ -207,23 +210,24 @@ def _run_rounds(rounds: int, variants: list, prefix: str) -> dict:
 
 def compare_backends(args, argv: list[str]) -> int:
     """Run each layout on t3d and on gloo, taking turns (t3d, gloo, t3d, gloo, ... so that a slow minute of the
-    machine does not land on one backend only), and print a markdown table of median step times and their ratio."""
+    machine does not land on one backend only), and print a markdown table of median step times and their ratio;
+    with --compare-out, also save it with every run's numbers and a plot."""
     cleaned = _clean_argv(argv, {"--compare-backends", "--dp", "--tp", "--cp", "--backend", "--ckpt-dir",
-                                 "--metrics-json", "--compare-layouts", "--resume", "--compare-rounds"})
+                                 "--metrics-json", "--compare-layouts", "--resume", "--compare-rounds",
+                                 "--compare-out"})
     rounds = max(1, args.compare_rounds)
     layouts = [_parse_layout(text) for text in args.compare_layouts.split(",")]
     runs = _run_rounds(rounds, [((str(layout), backend), layout.world,
                                  cleaned + ["--dp", str(layout.dp), "--tp", str(layout.tp), "--cp", str(layout.cp),
                                             "--backend", backend])
                                 for layout in layouts for backend in ("t3d", "gloo")], "t3d-compare-")
-    print()
-    print(f"t3d vs gloo: {args.steps} steps, global batch {args.global_batch} x seq {args.seq_len}, "
-          f"{os.cpu_count()} cores; {rounds} alternating run(s) of each; median of the runs' mean step time "
-          f"(first step left out)")
-    print()
-    print("| layout | ranks | backend | step time (ms) | tokens/s | gloo / t3d | loss first -> last | wall (s) |")
-    print("|---|---|---|---|---|---|---|---|")
-    failed = False
+    header = (f"t3d vs gloo: {args.steps} steps, global batch {args.global_batch} x seq {args.seq_len}, "
+              f"{os.cpu_count()} cores; {rounds} alternating run(s) of each; median of the runs' mean step time "
+              f"(first step left out)")
+    lines = [header, "",
+             "| layout | ranks | backend | step time (ms) | tokens/s | gloo / t3d | loss first -> last | wall (s) |",
+             "|---|---|---|---|---|---|---|---|"]
+    rows, failed = [], False
     for layout in layouts:
         med = {}
         for backend in ("t3d", "gloo"):
@@ -235,16 +239,72 @@ def compare_backends(args, argv: list[str]) -> int:
             bad = [why for s, why in got if s is None]
             if bad or backend not in med:
                 failed = True
-                print(f"| {layout} | {layout.world} | {backend} | - | - | - | {bad[0] if bad else 'not run'} | - |")
+                lines.append(f"| {layout} | {layout.world} | {backend} | - | - | - | "
+                             f"{bad[0] if bad else 'not run'} | - |")
                 continue
             s = [s for s, _ in got][0]
             step = med[backend]
             tokens = args.global_batch * args.seq_len / step
-            ratio = f"{med['gloo'] / med['t3d']:.2f}" if backend == "gloo" and "t3d" in med else ""
+            ratio = med["gloo"] / med["t3d"] if backend == "gloo" and "t3d" in med else None
             wall = statistics.median(w for _, w in got)
-            print(f"| {layout} | {layout.world} | {backend} | {step * 1000:.1f} | {tokens:.0f} | {ratio} | "
-                  f"{s['loss_first']:.4f} -> {s['loss_last']:.4f} | {wall:.1f} |")
+            rows.append({"layout": str(layout), "ranks": layout.world, "backend": backend, "step_time_s": step,
+                         "tokens_per_s": tokens, "gloo_over_t3d": ratio, "loss_first": s["loss_first"],
+                         "loss_last": s["loss_last"], "wall_s": wall,
+                         "runs_step_time_s": [s["step_time_mean_s"] for s, _ in got]})
+            lines.append(f"| {layout} | {layout.world} | {backend} | {step * 1000:.1f} | {tokens:.0f} | "
+                         f"{'' if ratio is None else f'{ratio:.2f}'} | "
+                         f"{s['loss_first']:.4f} -> {s['loss_last']:.4f} | {wall:.1f} |")
+    print()
+    print("\n".join(lines))
+    if args.compare_out:
+        _save_comparison(args.compare_out, lines, rows, args)
     return 1 if failed else 0
+
+
+def _save_comparison(out: str, lines: list[str], rows: list[dict], args) -> None:
+    """compare-backends.md (the table), .json (its rows with every run's step time) and .png (step time per layout,
+    the two backends side by side, gloo / t3d above each pair)."""
+    os.makedirs(out, exist_ok=True)
+    stem = os.path.join(out, "compare-backends")
+    with open(stem + ".md", "w") as f:
+        f.write("# t3d-train --compare-backends\n\n" + "\n".join(lines) + "\n")
+    with open(stem + ".json", "w") as f:
+        json.dump({"steps": args.steps, "global_batch": args.global_batch, "seq_len": args.seq_len,
+                   "cores": os.cpu_count(), "rounds": max(1, args.compare_rounds), "rows": rows}, f, indent=1)
+    done = ""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        matplotlib = None
+    if matplotlib is not None and rows:
+        layouts = list(dict.fromkeys(r["layout"] for r in rows))
+        fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(layouts), 3.4), dpi=110)
+        for k, backend in enumerate(("t3d", "gloo")):
+            xs = [i + (k - 0.5) * 0.38 for i, lay in enumerate(layouts)
+                  if any(r["layout"] == lay and r["backend"] == backend for r in rows)]
+            ys = [r["step_time_s"] * 1000 for lay in layouts for r in rows
+                  if r["layout"] == lay and r["backend"] == backend]
+            ax.bar(xs, ys, width=0.38, label=backend)
+        for i, lay in enumerate(layouts):
+            r = next((r for r in rows if r["layout"] == lay and r["gloo_over_t3d"] is not None), None)
+            if r is not None:
+                top = max(q["step_time_s"] for q in rows if q["layout"] == lay) * 1000
+                ax.annotate(f"{r['gloo_over_t3d']:.2f}x", (i, top), ha="center",
+                            va="bottom", fontsize=8)
+        ax.set_xticks(range(len(layouts)), [f"{lay}\n({next(r['ranks'] for r in rows if r['layout'] == lay)} "
+                                             f"ranks)" for lay in layouts])
+        ax.set_ylabel("ms per step (median)")
+        ax.set_title("t3d-train step time; gloo / t3d above each pair", fontsize=9)
+        ax.legend()
+        ax.grid(axis="y", alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(stem + ".png")
+        plt.close(fig)
+        done = ", .png"
+    print(f"saved {stem}.md, .json{done}")
 
 
 def compare_schedules(args, argv: list[str], layout) -> int:
