@@ -31,6 +31,10 @@ def test_bench_runs_t3d_and_gloo_side_by_side(tmp_path):
     assert "t3d at floor" in md and "best peer / t3d" in md and "t3d - dispatch floor (us)" in md
     assert "| ok |" in md and "WRONG" not in md
     assert data["results"]["_copy_all_cores"] > 0 and "B_all = " in md and data["results"]["_cores"] >= 1
+    # the copy bandwidth is probed at the start and after each of the 2 x 2 backend runs
+    probes = data["results"]["_copy_all_cores_runs"]
+    assert len(probes) == 5 and data["results"]["_copy_all_cores"] == max(probes), probes
+    assert set(data["results"]["_copy_beside"]) == {"t3d", "gloo"}, data["results"]["_copy_beside"]
     assert (tmp_path / "smoke.png").stat().st_size > 0
 
 
@@ -106,6 +110,20 @@ def test_rows_are_set_against_the_floor_and_the_best_peer():
     del res["_copy_all_cores"], res["_cores"]
     md = bc.render(res, 2, {})
     assert _table(md, "all_reduce")["64 MiB"]["floor (us)"] == "-" and "did not measure" in md
+
+
+def test_each_backend_is_set_against_the_bandwidth_beside_its_own_runs():
+    mib64 = 64 << 20
+    floor_us = 2 * 2 * mib64 / 20e9 * 1e6  # all_reduce, 2 ranks, at the run's best probe (20 GB/s)
+    res = {"_load": 0.0, "_copy_all_cores": 20e9, "_copy_all_cores_runs": [20e9, 10e9, 20e9], "_cores": 2,
+           "_copy_beside": {"t3d": 10e9, "t3d-mem": 20e9},
+           "t3d": [_row("all_reduce", mib64, 4 * floor_us)], "t3d-mem": [_row("all_reduce", mib64, 1.25 * floor_us)]}
+    md = bc.render(res, 2, {})
+    row = _table(md, "all_reduce")["64 MiB"]
+    assert row["floor (us)"] == f"{floor_us:.0f}", "the floor column: the least time, at the best probe"
+    # t3d ran while the machine copied at 10 GB/s: its floor then was twice as long, so 2 / 4 = 50%
+    assert row["t3d at floor"] == "50%" and row["t3d-mem at floor"] == "80%", row
+    assert "t3d 10.0, t3d-mem 20.0 GB/s" in md and "20.0, 10.0, 20.0 GB/s" in md, md
 
 
 def test_the_switch_floor_has_its_own_column():

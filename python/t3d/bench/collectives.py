@@ -19,6 +19,7 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -403,10 +404,15 @@ def _header(results: dict, n: int, cores: int, skipped: dict) -> list[str]:
         lines.append("Floor: the row's least traffic (every input byte read once, every output byte written once) "
                      f"at B_all = {B_all / 1e9:.1f} GB/s, the copy bandwidth of every core copying at once, measured "
                      "in this run (the best of plain, non-temporal and in-place copies"
-                     + (", at its start and end: " + " and ".join(f"{b / 1e9:.1f}" for b in results["_copy_all_cores_runs"])
+                     + (", the best of its probes at the start and after each backend's run: "
+                        + ", ".join(f"{b / 1e9:.1f}" for b in results["_copy_all_cores_runs"])
                         + " GB/s" if results.get("_copy_all_cores_runs") else "")
-                     + "); 't3d at floor' is the floor over t3d's time. No floor where the row's buffers fit "
-                     "in the caches (docs/benchmarks/README.md).")
+                     + "); the floor column is at B_all. 'X at floor' is X's floor over X's time, the floor taken at "
+                     + ("the bandwidth measured beside X's own runs (" + ", ".join(
+                         f"{b} {v / 1e9:.1f}" for b, v in results["_copy_beside"].items()) + " GB/s: per run the "
+                        "faster of the probes before and after it, the median over the runs), since this shared "
+                        "machine's bandwidth moves within a run" if results.get("_copy_beside") else "B_all")
+                     + ". No floor where the row's buffers fit in the caches (docs/benchmarks/README.md).")
     else:
         lines.append("Floor: this run did not measure the all-core copy bandwidth B_all, so no row has one.")
     t3d_rows = results.get("t3d", [])
@@ -438,6 +444,7 @@ def _op_table(results: dict, op: str, n: int) -> list[str]:
     variants = [b for b in backends if b.startswith("t3d-")]
     peers = [b for b in backends if b != "t3d" and b not in variants] if "t3d" in backends else []
     B_all = results.get("_copy_all_cores")
+    beside = results.get("_copy_beside") or {}
     t3d_rows = results.get("t3d", [])
     with_dispatch = op == "all_reduce" and any("floor_us" in r for r in t3d_rows)
     with_switch = op == "all_reduce" and any("switch_floor_us" in r for r in t3d_rows)
@@ -468,11 +475,17 @@ def _op_table(results: dict, op: str, n: int) -> list[str]:
             cells.append(f"{ratios[best]:.2f}x ({best})" if best is not None else "-")
         floor = fastest_possible_us(op, n, size, B_all) if B_all else None
         cells.append(f"{floor:.0f}" if floor is not None else "-")
+
+        def at_floor(b, r):
+            """b's floor (at the bandwidth measured beside b's runs, else B_all) over its row's time."""
+            f = fastest_possible_us(op, n, size, beside.get(b, B_all)) if floor is not None else None
+            return f"{100 * f / r['time_us']:.0f}%" if f is not None and r else "-"
+
         if "t3d" in backends:
-            cells.append(f"{100 * floor / a['time_us']:.0f}%" if floor is not None and a else "-")
+            cells.append(at_floor("t3d", a))
         for v in variants:
             rv = by[v].get(size)
-            cells.append(f"{100 * floor / rv['time_us']:.0f}%" if floor is not None and rv else "-")
+            cells.append(at_floor(v, rv))
             if peers:
                 pv = {p: by[p][size]["time_us"] / rv["time_us"] for p in peers if rv and size in by[p]}
                 bv = min(pv, key=pv.get, default=None)
@@ -585,7 +598,6 @@ def median_rows(runs: list[list[dict]]) -> list[dict]:
     one sample, not the row), any run's wrong result, and every run's time under time_us_runs."""
     if len(runs) == 1:
         return runs[0]
-    import statistics
 
     out = []
     for i, first in enumerate(runs[0]):
@@ -683,6 +695,12 @@ def run(args) -> int:
                 continue
         backends.append(b)
     runs: dict = {b: [] for b in backends}
+    # CPU: the all-core copy bandwidth again after every backend's run. The development machine's moves with its
+    # neighbours' use of a shared cache (52-98 GB/s within one run), so each backend's rows are set against the
+    # bandwidth measured beside its own runs (per run the faster of the probes before and after it; the median
+    # over its runs), and the floor column against the best probe of the whole run (the least time).
+    probes = [results["_copy_all_cores"]] if device == "cpu" else []
+    beside: dict = {}
     for rep in range(args.repeat):  # backends alternate, so that a slow spell of the machine hits each alike
         for b in [x for x in backends if x not in skipped]:
             t0 = time.time()
@@ -694,18 +712,19 @@ def run(args) -> int:
                 print(f"{b} failed: {exc}", flush=True)
                 continue
             runs[b].append(rows)
-            print(f"{b}: {len(rows)} rows in {time.time() - t0:.0f} s (run {rep + 1} of {args.repeat})", flush=True)
+            msg = f"{b}: {len(rows)} rows in {time.time() - t0:.0f} s (run {rep + 1} of {args.repeat})"
+            if probes:
+                probes.append(copy_bandwidth_all_cores())
+                beside.setdefault(b, []).append(max(probes[-2], probes[-1]))
+                msg += f"; copy bandwidth after it {probes[-1] / 1e9:.1f} GB/s"
+            print(msg, flush=True)
     for b in backends:
         if b not in skipped:
             results[b] = median_rows(runs[b])
-    if device == "cpu":
-        # Measured again at the end, and the faster of the two kept: the development machine's copy bandwidth moves
-        # with its neighbours' use of a shared cache (52-98 GB/s between runs of one day), and a floor must be
-        # the least time, so the best bandwidth seen in the run.
-        again = copy_bandwidth_all_cores()
-        results["_copy_all_cores_runs"] = [results["_copy_all_cores"], again]
-        results["_copy_all_cores"] = max(results["_copy_all_cores"], again)
-        print(f"copy bandwidth with every core copying, again at the end: {again / 1e9:.1f} GB/s", flush=True)
+    if probes:
+        results["_copy_all_cores_runs"] = probes
+        results["_copy_all_cores"] = max(probes)
+        results["_copy_beside"] = {b: statistics.median(v) for b, v in beside.items() if b not in skipped}
     if args.repeat > 1:
         results["_repeat"] = args.repeat
     out = output_dir(args.out)

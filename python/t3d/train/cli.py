@@ -257,19 +257,20 @@ def compare_backends(args, argv: list[str]) -> int:
     print()
     print("\n".join(lines))
     if args.compare_out:
-        _save_comparison(args.compare_out, lines, rows, args)
+        _save_comparison(args.compare_out, lines, rows, args, "t3d-train " + " ".join(argv))
     return 1 if failed else 0
 
 
-def _save_comparison(out: str, lines: list[str], rows: list[dict], args) -> None:
+def _save_comparison(out: str, lines: list[str], rows: list[dict], args, command: str) -> None:
     """compare-backends.md (the table), .json (its rows with every run's step time) and .png (step time per layout,
     the two backends side by side, gloo / t3d above each pair)."""
     os.makedirs(out, exist_ok=True)
     stem = os.path.join(out, "compare-backends")
     with open(stem + ".md", "w") as f:
-        f.write("# t3d-train --compare-backends\n\n" + "\n".join(lines) + "\n")
+        f.write(f"# t3d-train --compare-backends\n\nCommand: `{command}` ({time.strftime('%Y-%m-%d %H:%M')}, "
+                f"load average at the end {os.getloadavg()[0]:.1f})\n\n" + "\n".join(lines) + "\n")
     with open(stem + ".json", "w") as f:
-        json.dump({"steps": args.steps, "global_batch": args.global_batch, "seq_len": args.seq_len,
+        json.dump({"command": command, "when": time.strftime("%Y-%m-%d %H:%M"), "steps": args.steps, "global_batch": args.global_batch, "seq_len": args.seq_len,
                    "cores": os.cpu_count(), "rounds": max(1, args.compare_rounds), "rows": rows}, f, indent=1)
     done = ""
     try:
@@ -296,6 +297,7 @@ def _save_comparison(out: str, lines: list[str], rows: list[dict], args) -> None
                             va="bottom", fontsize=8)
         ax.set_xticks(range(len(layouts)), [f"{lay}\n({next(r['ranks'] for r in rows if r['layout'] == lay)} "
                                              f"ranks)" for lay in layouts])
+        ax.set_ylim(0, max(r["step_time_s"] for r in rows) * 1000 * 1.15)
         ax.set_ylabel("ms per step (median)")
         ax.set_title("t3d-train step time; gloo / t3d above each pair", fontsize=9)
         ax.legend()
