@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 enum { OP_ALLREDUCE, OP_ALLGATHER, OP_REDUCE_SCATTER, OP_ALLTOALL, OP_BROADCAST, OP_SENDRECV, OP_COUNT };
 static const char *const op_names[OP_COUNT] = {"allreduce", "allgather", "reduce_scatter", "alltoall", "broadcast",
@@ -106,6 +107,37 @@ static inline long long count_wrong(int op, const float *rb, size_t count, int n
       break;
   }
   return wrong;
+}
+
+/* Where ranks 0 and 1 run: the round trip of one cache line between their processes (rank 0 writes, rank 1 answers,
+ * `iters` times), in ns, on rank 0 (-1: rank 1 did not answer within a second); 0 on the other ranks, which return
+ * at once. On the development machine, a virtual one, it takes one of two values from one run to the next (about
+ * 130 and 350 ns: the two virtual CPUs on one core complex of the host or on two), and every transfer between the
+ * ranks gets faster or slower with it; the benches print it before each operation so that runs can be compared
+ * placement by placement. `line`: 64 bytes both processes map, zero before the first call; both ranks call it
+ * the same number of times. */
+static inline double pingpong_ns(long *line, int rank, int iters) {
+  static long base = 0; /* the value the line holds when a call starts: 2 * iters more after each */
+  if (rank > 1) return 0;
+  struct timespec t0, t1;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  int ok = 1;
+  for (long i = 0; i < iters && ok; i++) {
+    long ask = base + 2 * i + 1, answer = ask + 1, want = rank == 0 ? answer : ask;
+    if (rank == 0) __atomic_store_n(line, ask, __ATOMIC_RELEASE);
+    for (unsigned spins = 1; __atomic_load_n(line, __ATOMIC_ACQUIRE) < want; spins++) {
+      if ((spins & 0xfffffu) == 0) {
+        clock_gettime(CLOCK_MONOTONIC, &t1);
+        ok = (t1.tv_sec - t0.tv_sec) + (t1.tv_nsec - t0.tv_nsec) * 1e-9 < 1.0 + iters * 1e-6;
+        if (!ok) break;
+      }
+    }
+    if (rank == 1 && ok) __atomic_store_n(line, answer, __ATOMIC_RELEASE);
+  }
+  base += 2 * (long)iters;
+  clock_gettime(CLOCK_MONOTONIC, &t1);
+  if (!ok) return -1;
+  return ((t1.tv_sec - t0.tv_sec) * 1e9 + (t1.tv_nsec - t0.tv_nsec)) / iters;
 }
 
 /* nccl-tests: busbw = algbw * factor. */

@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 typedef struct {
   size_t minb, maxb;
@@ -91,6 +92,25 @@ int main(int argc, char **argv) {
     if (nl != NULL) *nl = '\0';
     printf("# mpi_bench_c: %d ranks, %s\n", n, lib);
   }
+  /* The cache line for pingpong_ns: in a shared window, where all ranks share one node and have a core each. */
+  long *line = NULL;
+  MPI_Comm node = MPI_COMM_NULL;
+  MPI_Win win = MPI_WIN_NULL;
+  int node_n = 0;
+  MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node);
+  MPI_Comm_size(node, &node_n);
+  if (n >= 2 && node_n == n && n <= sysconf(_SC_NPROCESSORS_ONLN)) {
+    long *mine = NULL;
+    MPI_Aint sz = 0;
+    int du = 0;
+    if (MPI_Win_allocate_shared(rank == 0 ? 64 : 0, 1, MPI_INFO_NULL, node, &mine, &win) == MPI_SUCCESS &&
+        MPI_Win_shared_query(win, 0, &sz, &du, &line) == MPI_SUCCESS && sz >= 64) {
+      if (rank == 0) *line = 0;
+    } else {
+      line = NULL;
+    }
+    MPI_Barrier(MPI_COMM_WORLD);
+  }
   size_t maxcount = o.maxb / 4 + 1;
   float *sb = NULL, *rb = NULL;
   if (posix_memalign((void **)&sb, 4096, maxcount * 4) != 0 || posix_memalign((void **)&rb, 4096, maxcount * 4) != 0) {
@@ -103,9 +123,11 @@ int main(int argc, char **argv) {
   long long wrong_total = 0;
   for (int op = 0; op < OP_COUNT && rc == 0; op++) {
     if (!o.ops[op]) continue;
+    double rt = line != NULL ? pingpong_ns(line, rank, 20000) : 0;
     if (rank == 0) {
       printf("\n# %s, %d ranks, float32%s; time = slowest rank's mean per call\n", op_names[op], n,
              op_reduces(op) ? " sum" : "");
+      if (line != NULL) printf("# placement: a cache line's round trip between ranks 0 and 1 takes %.0f ns\n", rt);
       printf("# %12s %12s %6s %5s | %-4s %10s %8s %8s %6s\n", "size(B)", "count", "type", "redop", "mpi", "time(us)",
              "algbw", "busbw", "#wrong");
       fflush(stdout);
@@ -140,6 +162,8 @@ int main(int argc, char **argv) {
   }
   free(sb);
   free(rb);
+  if (win != MPI_WIN_NULL) MPI_Win_free(&win);
+  MPI_Comm_free(&node);
   MPI_Finalize();
   if (wrong_total > 0) {
     fprintf(stderr, "mpi_bench_c: %lld wrong elements (see the #wrong columns)\n", wrong_total);

@@ -156,6 +156,8 @@ static void usage(const char *argv0) {
 typedef struct {
   double *times;        /* shared: per rank, mean seconds of the last measurement */
   long long *wrong;     /* shared: per rank, wrong elements of the last check */
+  long *line;           /* shared: the cache line ranks 0 and 1 ping-pong (pingpong_ns) */
+  int placement;        /* measure it: 2 or more ranks, no more than the cores */
 } shared_t;
 
 static int fail(int rank, const char *what, t3d_comm_t *c, t3d_result_t r) {
@@ -250,10 +252,12 @@ static int rank_main(const opts_t *o, int rank, const fstore_t *fs, shared_t *sh
   long long wrong_total = 0;
   for (int op = 0; op < OP_COUNT; op++) {
     if (!o->ops[op]) continue;
+    double rt = sh->placement ? pingpong_ns(sh->line, rank, 20000) : 0;
     if (rank == 0) {
       printf("\n# %s, %d ranks, float32%s; time = slowest rank's mean per call (issue + wait%s)\n", op_names[op], n,
              op_reduces(op) ? " sum" : "",
              op == OP_SENDRECV ? "" : o->async ? "; non-blocking" : "; T3D_FLAG_BLOCKING");
+      if (sh->placement) printf("# placement: a cache line's round trip between ranks 0 and 1 takes %.0f ns\n", rt);
       printf("# %12s %12s %6s %5s", "size(B)", "count", "type", "redop");
       for (int t = 0; t < 2; t++)
         if (o->transports & (1 << t))
@@ -341,10 +345,15 @@ static void print_memcpy_reference(void) {
 /* With more ranks than cores, a collective that needs every rank's input finishes a call only after every rank has
  * run since the last one: n processes on c cores, each giving up its core once per call, are what that alone costs.
  * n processes call sched_yield() in a loop, started together; the slowest one's time per call is the floor. */
-static void print_switch_floor(int n) {
+static long online_cores(void) {
   long cores = sysconf(_SC_NPROCESSORS_ONLN);
   cpu_set_t set;
   if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) < cores) cores = CPU_COUNT(&set);
+  return cores;
+}
+
+static void print_switch_floor(int n) {
+  long cores = online_cores();
   if (cores <= 0 || n <= cores) return;
   const int iters = 20000;
   const size_t bytes = (size_t)n * sizeof(double) + 64; /* each child's time, then the start flag */
@@ -426,11 +435,13 @@ int main(int argc, char **argv) {
     return 1;
   }
   shared_t sh;
-  void *mem = mmap(NULL, (size_t)o.nranks * (sizeof(double) + sizeof(long long)), PROT_READ | PROT_WRITE,
-                   MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  size_t line_at = ((size_t)o.nranks * (sizeof(double) + sizeof(long long)) + 63) / 64 * 64;
+  void *mem = mmap(NULL, line_at + 64, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
   if (mem == MAP_FAILED) return 1;
   sh.times = mem;
   sh.wrong = (long long *)(sh.times + o.nranks);
+  sh.line = (long *)((char *)mem + line_at);
+  sh.placement = o.nranks >= 2 && o.nranks <= online_cores();
   pid_t *pids = calloc((size_t)o.nranks, sizeof(pid_t));
   for (int r = 0; r < o.nranks; r++) {
     pids[r] = fork();
