@@ -109,35 +109,56 @@ static inline long long count_wrong(int op, const float *rb, size_t count, int n
   return wrong;
 }
 
-/* Where ranks 0 and 1 run: the round trip of one cache line between their processes (rank 0 writes, rank 1 answers,
- * `iters` times), in ns, on rank 0 (-1: rank 1 did not answer within a second); 0 on the other ranks, which return
- * at once. On the development machine, a virtual one, it takes one of two values from one run to the next (about
- * 130 and 350 ns: the two virtual CPUs on one core complex of the host or on two), and every transfer between the
- * ranks gets faster or slower with it; the benches print it before each operation so that runs can be compared
- * placement by placement. `line`: 64 bytes both processes map, zero before the first call; both ranks call it
- * the same number of times. */
-static inline double pingpong_ns(long *line, int rank, int iters) {
-  static long base = 0; /* the value the line holds when a call starts: 2 * iters more after each */
-  if (rank > 1) return 0;
-  struct timespec t0, t1;
-  clock_gettime(CLOCK_MONOTONIC, &t0);
-  int ok = 1;
-  for (long i = 0; i < iters && ok; i++) {
-    long ask = base + 2 * i + 1, answer = ask + 1, want = rank == 0 ? answer : ask;
-    if (rank == 0) __atomic_store_n(line, ask, __ATOMIC_RELEASE);
-    for (unsigned spins = 1; __atomic_load_n(line, __ATOMIC_ACQUIRE) < want; spins++) {
-      if ((spins & 0xfffffu) == 0) {
-        clock_gettime(CLOCK_MONOTONIC, &t1);
-        ok = (t1.tv_sec - t0.tv_sec) + (t1.tv_nsec - t0.tv_nsec) * 1e-9 < 1.0 + iters * 1e-6;
-        if (!ok) break;
-      }
-    }
-    if (rank == 1 && ok) __atomic_store_n(line, answer, __ATOMIC_RELEASE);
-  }
-  base += 2 * (long)iters;
+/* Where ranks 0 and 1 run: the mean round trip of one cache line between their processes (rank 0 writes, rank 1
+ * answers; up to `iters` times, as many as fit in 50 ms), in ns, on rank 0 (-1: rank 1 never answered within a
+ * second); 0 on the other ranks, which return at once. On the development machine, a virtual one, it takes one of
+ * two values that change from run to run (about 100 and 350 ns: the two virtual CPUs on one core complex of the
+ * host or on two), and every transfer between the ranks gets faster or slower with it; the benches print it before
+ * each operation so that runs can be compared placement by placement. `line`: 64 bytes both processes map, zero
+ * before the first call. Rank 0 ends each call by writing -1 - (the value the next call starts from), which rank 1
+ * reads to stay in step. */
+static inline double pingpong_seconds(const struct timespec *t0) {
+  struct timespec t1;
   clock_gettime(CLOCK_MONOTONIC, &t1);
-  if (!ok) return -1;
-  return ((t1.tv_sec - t0.tv_sec) * 1e9 + (t1.tv_nsec - t0.tv_nsec)) / iters;
+  return (double)(t1.tv_sec - t0->tv_sec) + (double)(t1.tv_nsec - t0->tv_nsec) * 1e-9;
+}
+
+static inline double pingpong_ns(long *line, int rank, int iters) {
+  static long base = 0; /* what the line held at the start of this call: answers so far, twice */
+  if (rank > 1) return 0;
+  struct timespec t0;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  if (rank == 1) {
+    for (unsigned spins = 1;; spins++) {
+      long v = __atomic_load_n(line, __ATOMIC_ACQUIRE);
+      if (v < 0 && -1 - v > base) { /* rank 0's end of this call (the last call's end equals base) */
+        base = -1 - v;
+        return 0;
+      }
+      if (v > 0 && v >= base && (v - base) % 2 == 1) {
+        __atomic_store_n(line, v + 1, __ATOMIC_RELEASE);
+        spins = 0;
+        clock_gettime(CLOCK_MONOTONIC, &t0);
+      }
+      if ((spins & 0xfffffu) == 0 && spins != 0 && pingpong_seconds(&t0) > 2.0) return 0;
+    }
+  }
+  long done = 0;
+  int ok = 1;
+  while (done < iters && ok && (done % 256 != 0 || pingpong_seconds(&t0) < 0.05)) {
+    long ask = base + 2 * done + 1;
+    __atomic_store_n(line, ask, __ATOMIC_RELEASE);
+    for (unsigned spins = 1; __atomic_load_n(line, __ATOMIC_ACQUIRE) != ask + 1; spins++)
+      if ((spins & 0xfffffu) == 0 && pingpong_seconds(&t0) > 1.0) {
+        ok = 0;
+        break;
+      }
+    done += ok;
+  }
+  double took = pingpong_seconds(&t0);
+  base += 2 * done + 2; /* past the last ask, answered or not */
+  __atomic_store_n(line, -1 - base, __ATOMIC_RELEASE);
+  return done > 0 ? took / (double)done * 1e9 : -1;
 }
 
 /* nccl-tests: busbw = algbw * factor. */
