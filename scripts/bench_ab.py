@@ -17,10 +17,13 @@ import time
 
 ROW = re.compile(r"^\s*(\d+)\s+\d+\s+\S+\s+\S+\s+\|\s+(\S+)\s+([\d.]+)\s")
 SECTION = re.compile(r"^# (\w+), ")
+PLACEMENT = re.compile(r"^# placement: a cache line's round trip between ranks 0 and 1 takes (-?\d+) ns")
 
 
-def parse_rows(text):
-    """{(op, column, bytes): microseconds} of a bench's output; column is "auto", "ucx" or "mpi"."""
+def parse_rows(text, placements=None):
+    """{(op, column, bytes): microseconds} of a bench's output; column is "auto", "ucx" or "mpi". placements: a dict
+    that also receives {op: round-trip ns} from the sections' placement lines (the benches print one before each
+    operation where every rank has a CPU of its own)."""
     times, op = {}, None
     for line in text.splitlines():
         m = SECTION.match(line)
@@ -30,6 +33,10 @@ def parse_rows(text):
         m = ROW.match(line)
         if m and op:
             times[(op, m.group(2), int(m.group(1)))] = float(m.group(3))
+            continue
+        m = PLACEMENT.match(line) if placements is not None else None
+        if m and op:
+            placements[op] = int(m.group(1))
     return times
 
 

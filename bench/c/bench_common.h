@@ -3,11 +3,13 @@
 #ifndef T3D_BENCH_COMMON_H
 #define T3D_BENCH_COMMON_H
 
+#include <sched.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 enum { OP_ALLREDUCE, OP_ALLGATHER, OP_REDUCE_SCATTER, OP_ALLTOALL, OP_BROADCAST, OP_SENDRECV, OP_COUNT };
 static const char *const op_names[OP_COUNT] = {"allreduce", "allgather", "reduce_scatter", "alltoall", "broadcast",
@@ -107,6 +109,14 @@ static inline long long count_wrong(int op, const float *rb, size_t count, int n
       break;
   }
   return wrong;
+}
+
+/* CPUs this process may run on: the online ones, fewer where its affinity mask says so (needs _GNU_SOURCE). */
+static inline long online_cores(void) {
+  long cores = sysconf(_SC_NPROCESSORS_ONLN);
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) < cores) cores = CPU_COUNT(&set);
+  return cores;
 }
 
 /* Where ranks 0 and 1 run: the mean round trip of one cache line between their processes (rank 0 writes, rank 1

@@ -11,7 +11,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
 typedef struct {
   size_t minb, maxb;
@@ -99,7 +98,7 @@ int main(int argc, char **argv) {
   int node_n = 0;
   MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node);
   MPI_Comm_size(node, &node_n);
-  if (n >= 2 && node_n == n && n <= sysconf(_SC_NPROCESSORS_ONLN)) {
+  if (n >= 2 && node_n == n && n <= online_cores()) {
     long *mine = NULL;
     MPI_Aint sz = 0;
     int du = 0;

@@ -345,13 +345,6 @@ static void print_memcpy_reference(void) {
 /* With more ranks than cores, a collective that needs every rank's input finishes a call only after every rank has
  * run since the last one: n processes on c cores, each giving up its core once per call, are what that alone costs.
  * n processes call sched_yield() in a loop, started together; the slowest one's time per call is the floor. */
-static long online_cores(void) {
-  long cores = sysconf(_SC_NPROCESSORS_ONLN);
-  cpu_set_t set;
-  if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) < cores) cores = CPU_COUNT(&set);
-  return cores;
-}
-
 static void print_switch_floor(int n) {
   long cores = online_cores();
   if (cores <= 0 || n <= cores) return;

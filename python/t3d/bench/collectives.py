@@ -435,6 +435,11 @@ def _header(results: dict, n: int, cores: int, skipped: dict) -> list[str]:
     return lines
 
 
+def _at_floor(op: str, n: int, size: int, B: float, row: dict | None) -> str:
+    """The row's floor at copy bandwidth B (the one measured beside its backend's runs) over its time, as a cell."""
+    return f"{100 * fastest_possible_us(op, n, size, B) / row['time_us']:.0f}%" if row else "-"
+
+
 def _op_table(results: dict, op: str, n: int) -> list[str]:
     """One op's table: each backend's time and busbw, each peer's and the best peer's time over t3d's, the floor and
     t3d's share of its speed, the all_reduce dispatch floors, the check."""
@@ -475,17 +480,11 @@ def _op_table(results: dict, op: str, n: int) -> list[str]:
             cells.append(f"{ratios[best]:.2f}x ({best})" if best is not None else "-")
         floor = fastest_possible_us(op, n, size, B_all) if B_all else None
         cells.append(f"{floor:.0f}" if floor is not None else "-")
-
-        def at_floor(b, r):
-            """b's floor (at the bandwidth measured beside b's runs, else B_all) over its row's time."""
-            f = fastest_possible_us(op, n, size, beside.get(b, B_all)) if floor is not None else None
-            return f"{100 * f / r['time_us']:.0f}%" if f is not None and r else "-"
-
         if "t3d" in backends:
-            cells.append(at_floor("t3d", a))
+            cells.append(_at_floor(op, n, size, beside.get("t3d", B_all), a) if floor is not None else "-")
         for v in variants:
             rv = by[v].get(size)
-            cells.append(at_floor(v, rv))
+            cells.append(_at_floor(op, n, size, beside.get(v, B_all), rv) if floor is not None else "-")
             if peers:
                 pv = {p: by[p][size]["time_us"] / rv["time_us"] for p in peers if rv and size in by[p]}
                 bv = min(pv, key=pv.get, default=None)

@@ -262,51 +262,52 @@ def compare_backends(args, argv: list[str]) -> int:
 
 
 def _save_comparison(out: str, lines: list[str], rows: list[dict], args, command: str) -> None:
-    """compare-backends.md (the table), .json (its rows with every run's step time) and .png (step time per layout,
-    the two backends side by side, gloo / t3d above each pair)."""
+    """compare-backends.md (the table), .json (its rows with every run's step time) and .png (_plot_comparison)."""
     os.makedirs(out, exist_ok=True)
     stem = os.path.join(out, "compare-backends")
+    when = time.strftime("%Y-%m-%d %H:%M")
     with open(stem + ".md", "w") as f:
-        f.write(f"# t3d-train --compare-backends\n\nCommand: `{command}` ({time.strftime('%Y-%m-%d %H:%M')}, "
-                f"load average at the end {os.getloadavg()[0]:.1f})\n\n" + "\n".join(lines) + "\n")
+        f.write(f"# t3d-train --compare-backends\n\nCommand: `{command}` ({when}, load average at the end "
+                f"{os.getloadavg()[0]:.1f})\n\n" + "\n".join(lines) + "\n")
     with open(stem + ".json", "w") as f:
-        json.dump({"command": command, "when": time.strftime("%Y-%m-%d %H:%M"), "steps": args.steps, "global_batch": args.global_batch, "seq_len": args.seq_len,
-                   "cores": os.cpu_count(), "rounds": max(1, args.compare_rounds), "rows": rows}, f, indent=1)
-    done = ""
-    try:
-        import matplotlib
+        json.dump({"command": command, "when": when, "steps": args.steps, "global_batch": args.global_batch,
+                   "seq_len": args.seq_len, "cores": os.cpu_count(), "rounds": max(1, args.compare_rounds),
+                   "rows": rows}, f, indent=1)
+    png = _plot_comparison(rows, stem + ".png")
+    print(f"saved {stem}.md, .json" + (", .png" if png else ""))
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        matplotlib = None
-    if matplotlib is not None and rows:
-        layouts = list(dict.fromkeys(r["layout"] for r in rows))
-        fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(layouts), 3.4), dpi=110)
-        for k, backend in enumerate(("t3d", "gloo")):
-            xs = [i + (k - 0.5) * 0.38 for i, lay in enumerate(layouts)
-                  if any(r["layout"] == lay and r["backend"] == backend for r in rows)]
-            ys = [r["step_time_s"] * 1000 for lay in layouts for r in rows
-                  if r["layout"] == lay and r["backend"] == backend]
-            ax.bar(xs, ys, width=0.38, label=backend)
-        for i, lay in enumerate(layouts):
-            r = next((r for r in rows if r["layout"] == lay and r["gloo_over_t3d"] is not None), None)
-            if r is not None:
-                top = max(q["step_time_s"] for q in rows if q["layout"] == lay) * 1000
-                ax.annotate(f"{r['gloo_over_t3d']:.2f}x", (i, top), ha="center",
-                            va="bottom", fontsize=8)
-        ax.set_xticks(range(len(layouts)), [f"{lay}\n({next(r['ranks'] for r in rows if r['layout'] == lay)} "
-                                             f"ranks)" for lay in layouts])
-        ax.set_ylim(0, max(r["step_time_s"] for r in rows) * 1000 * 1.15)
-        ax.set_ylabel("ms per step (median)")
-        ax.set_title("t3d-train step time; gloo / t3d above each pair", fontsize=9)
-        ax.legend()
-        ax.grid(axis="y", alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(stem + ".png")
-        plt.close(fig)
-        done = ", .png"
-    print(f"saved {stem}.md, .json{done}")
+
+def _plot_comparison(rows: list[dict], path: str) -> bool:
+    """Step time per layout, the two backends side by side, gloo / t3d above each pair; False without matplotlib
+    or rows."""
+    from .report import pyplot
+
+    plt = pyplot()
+    if plt is None or not rows:
+        return False
+    by = {(r["layout"], r["backend"]): r for r in rows}
+    layouts = list(dict.fromkeys(r["layout"] for r in rows))
+    fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(layouts), 3.4), dpi=110)
+    for k, backend in enumerate(("t3d", "gloo")):
+        got = [(i, by[(lay, backend)]) for i, lay in enumerate(layouts) if (lay, backend) in by]
+        ax.bar([i + (k - 0.5) * 0.38 for i, _ in got], [r["step_time_s"] * 1000 for _, r in got], width=0.38,
+               label=backend)
+    for i, lay in enumerate(layouts):
+        gloo = by.get((lay, "gloo"))
+        if gloo is not None and gloo["gloo_over_t3d"] is not None:
+            top = max(r["step_time_s"] for r in rows if r["layout"] == lay) * 1000
+            ax.annotate(f"{gloo['gloo_over_t3d']:.2f}x", (i, top), ha="center", va="bottom", fontsize=8)
+    ranks = {r["layout"]: r["ranks"] for r in rows}
+    ax.set_xticks(range(len(layouts)), [f"{lay}\n({ranks[lay]} ranks)" for lay in layouts])
+    ax.set_ylim(0, max(r["step_time_s"] for r in rows) * 1000 * 1.15)
+    ax.set_ylabel("ms per step (median)")
+    ax.set_title("t3d-train step time; gloo / t3d above each pair", fontsize=9)
+    ax.legend()
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
 
 
 def compare_schedules(args, argv: list[str], layout) -> int:

@@ -82,13 +82,21 @@ def print_summary(s: dict, png: str | None, metrics: str | None) -> None:
         write(f"  metrics: {metrics}")
 
 
-def plot(losses: list[float], resumed_at: int, path: str, title: str) -> str | None:
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (files only), or None where matplotlib is not installed."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def plot(losses: list[float], resumed_at: int, path: str, title: str) -> str | None:
+    plt = pyplot()
+    if plt is None:
         return None
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
     steps = list(range(1, len(losses) + 1))
