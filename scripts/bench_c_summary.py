@@ -14,7 +14,8 @@ takes. On the development machine it is either about 80-135 ns ("near": the two 
 the host) or 320-430 ns ("far"), it changes between runs and even between the operations of one run, and every
 transfer between the ranks is faster when near; longer round trips mean something else held a CPU, and such
 sections match nothing. The summary lists each run's placements; `--same-placement` keeps, per operation, only the runs in which t3d
-and Open MPI had the same one (files without placement lines count as alike).
+and Open MPI had the same one (files without placement lines count as alike), `--placement near` (or far) only those
+in which both had that one.
 """
 import argparse
 import os
@@ -36,9 +37,10 @@ def placement_class(ns):
     return "near" if 0 < ns < NEAR_NS else "far" if 0 < ns < FAR_NS else "?"
 
 
-def same_placement(a, b):
+def same_placement(a, b, want=None):
+    """Both sides had the same placement (want: that one, "near" or "far")."""
     ca, cb = placement_class(a), placement_class(b)
-    return ca == cb and ca != "?"
+    return ca == cb and ca != "?" and (want is None or ca == want)
 
 
 def files(ranks, d):
@@ -58,12 +60,18 @@ def load(ranks, dirs):
     return [(os.path.basename(os.path.normpath(d)), *(read(f) for f in files(ranks, d))) for d in dirs]
 
 
+def _want(same):
+    """same: False (every run), True (the same placement on both sides) or "near" / "far" (that one on both)."""
+    return same if same in ("near", "far") else None
+
+
 def _ratios(runs, same):
     """{op: (rows, classes)}: rows [(bytes, t3d median us, Open MPI median us)] over the runs kept (same: those whose
-    two sides had the same placement for op), sizes every one of them has on both sides; classes: their placements."""
+    two sides had the same placement for op, or "near" / "far": that one), sizes every one of them has on both sides;
+    classes: their placements."""
     out = {}
     for op in OPS:
-        kept = [(t, m) for _, t, m in runs if not same or same_placement(t[1].get(op), m[1].get(op))]
+        kept = [(t, m) for _, t, m in runs if not same or same_placement(t[1].get(op), m[1].get(op), _want(same))]
         if not kept:
             continue
         t3d, mpi = [t[0] for t, _ in kept], [m[0] for _, m in kept]
@@ -84,8 +92,10 @@ def _summary(ranks, runs, same):
     head = (f"t3d_bench_c against Open MPI's mpi_bench_c, {ranks} ranks, medians of {len(runs)} runs of "
             f"`scripts/bench-c.sh {ranks}`; Open MPI's time over t3d's (above 1: t3d is faster)")
     if same:
-        head += ("; per operation only the runs in which both had the same placement (a cache line's round trip "
-                 f"between ranks 0 and 1 below {NEAR_NS} ns on both sides, or {NEAR_NS}-{FAR_NS} on both)")
+        which = {"near": f"below {NEAR_NS} ns on both sides", "far": f"{NEAR_NS}-{FAR_NS} ns on both sides"}
+        head += (f"; per operation only the runs in which both had {'the same placement' if not _want(same) else same} "
+                 "(a cache line's round trip between ranks 0 and 1 "
+                 + which.get(_want(same), f"below {NEAR_NS} ns on both sides, or {NEAR_NS}-{FAR_NS} on both") + ")")
     kept_col = " runs kept |" if same else ""
     lines = [head, "", f"| op |{kept_col} Open MPI / t3d | where Open MPI is faster (ratio; t3d / Open MPI us) |",
              "|---|" + ("---|" if same else "") + "---|---|"]
@@ -139,15 +149,18 @@ def main():
     p.add_argument("--plot", help="also draw the ratios into this PNG")
     p.add_argument("--same-placement", action="store_true",
                    help="per operation, only the runs in which t3d and Open MPI had the same placement")
+    p.add_argument("--placement", choices=("near", "far"),
+                   help="per operation, only the runs in which both had this placement")
     a = p.parse_args()
     runs = load(a.ranks, a.dirs)
-    text = _summary(a.ranks, runs, a.same_placement)
+    same = a.placement or a.same_placement
+    text = _summary(a.ranks, runs, same)
     print(text, end="")
     if a.out:
         with open(a.out, "w") as f:
             f.write(text)
     if a.plot:
-        plot(a.ranks, runs, a.plot, a.same_placement)
+        plot(a.ranks, runs, a.plot, same)
     return 0
 
 

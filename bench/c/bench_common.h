@@ -72,6 +72,15 @@ static inline size_t op_count(int op, size_t bytes, int n) {
 /* Small exact integers, so every sum is exact in float32 and the check needs no tolerance. */
 static inline float bench_value(int rank, size_t i) { return (float)((rank + 1) + (int)(i % 7)); }
 
+/* What the timed loops move before any check has run: never all-zero lines, which some hosts write much faster
+ * (docs/benchmarks/README.md, "What the timed loops move"). */
+static inline void fill_timed(float *sb, float *rb, size_t count, int rank) {
+  for (size_t i = 0; i < count; i++) {
+    sb[i] = bench_value(rank, i);
+    rb[i] = -1.0f;
+  }
+}
+
 /* Known inputs for one checked run of op (sendrecv is a ring shift: rank sends to rank + 1). */
 static inline void fill_inputs(int op, float *sb, float *rb, size_t count, int n, int rank) {
   size_t per = count / (size_t)n;

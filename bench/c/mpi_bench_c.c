@@ -116,8 +116,7 @@ int main(int argc, char **argv) {
     fprintf(stderr, "rank %d: out of memory for %zu-byte buffers\n", rank, maxcount * 4);
     MPI_Abort(MPI_COMM_WORLD, 1);
   }
-  memset(sb, 0, maxcount * 4);
-  memset(rb, 0, maxcount * 4);
+  fill_timed(sb, rb, maxcount, rank);
   int rc = 0;
   long long wrong_total = 0;
   for (int op = 0; op < OP_COUNT && rc == 0; op++) {

@@ -246,8 +246,7 @@ static int rank_main(const opts_t *o, int rank, const fstore_t *fs, shared_t *sh
              posix_memalign((void **)&rb, 4096, maxcount * 4) != 0) {
     return fail(rank, "out of memory for buffers", NULL, T3D_ERR_NO_MEMORY);
   }
-  memset(sb, 0, maxcount * 4);
-  memset(rb, 0, maxcount * 4);
+  fill_timed(sb, rb, maxcount, rank);
   int n = o->nranks;
   long long wrong_total = 0;
   for (int op = 0; op < OP_COUNT; op++) {

@@ -51,6 +51,9 @@ def test_same_placement_compares_like_with_like(bcs, tmp_path):
     text = bcs.summary(2, runs, same=True)
     assert "| allreduce | 2 (near 1, far 1) | 1.33-1.33 | nowhere |" in text, text
     assert "- b: allreduce 340 / 85 ns" in text, text
+    assert bcs.ratios(2, runs, same="near")["allreduce"] == [(8, 0.2, 0.3), (1024, 1.0, 1.5)], "run a only"
+    assert bcs.ratios(2, runs, same="far")["allreduce"] == [(8, 0.4, 0.5), (1024, 2.0, 2.5)], "run c only"
+    assert "| allreduce | 1 (far 1) |" in bcs.summary(2, runs, same="far")
     # files from before the benches printed placement count as alike
     old = [_run(tmp_path, "e", None, None, (0.2, 1.0), (0.3, 1.5))]
     assert bcs.ratios(2, old, same=True)["allreduce"] == [(8, 0.2, 0.3), (1024, 1.0, 1.5)]

@@ -39,19 +39,28 @@ def test_bench_runs_t3d_and_gloo_side_by_side(tmp_path):
 
 
 class _Peers:
-    """A stand-in for torch.distributed as seen by one rank of 2: all_reduce adds the other rank's 2.0, broadcast
-    delivers the root's 7.0; calls are counted, and `broken` makes every op a no-op."""
+    """A stand-in for torch.distributed as seen by one rank of 2: all_reduce adds the other rank's input (2.0 in a
+    checked call, -0.0 in a timed one, which holds -0.0 on every rank), broadcast delivers the root's 7.0; calls are
+    counted, `broken` makes every op a no-op, and `plus_zero` sums from +0.0 (right values, but a timed loop whose
+    -0.0 turns into +0.0 would move all-zero bytes)."""
 
     class group:
         WORLD = object()
 
-    def __init__(self, broken=False):
-        self.broken, self.calls = broken, 0
+    def __init__(self, broken=False, plus_zero=False):
+        self.broken, self.plus_zero, self.calls = broken, plus_zero, 0
 
     def all_reduce(self, x, group=None):
-        self.calls += 1
-        if not self.broken:
-            x.add_(2.0)
+        import torch
+
+        self.calls, self.last = self.calls + 1, x
+        if self.broken:
+            return
+        other = -0.0 if bool(torch.signbit(x).all()) and not bool(x.any()) else 2.0
+        if self.plus_zero:
+            x.copy_(torch.zeros_like(x) + x + other)
+        else:
+            x.add_(other)
 
     def broadcast(self, x, src=0):
         self.calls += 1
@@ -72,6 +81,22 @@ def test_timed_call_only_communicates_and_the_check_catches_a_broken_op(op, rank
     assert peers.calls == calls + 1, "the timed callable is one call of the op, nothing else"
     _, broken_check, _ = bc._make_op(op, 64, rank, 2, _Peers(broken=True), torch)
     assert not broken_check(), f"a {op} that does nothing must fail the check"
+
+
+def test_all_reduce_times_nonzero_bytes_and_the_check_sees_them_kept():
+    import torch
+
+    peers = _Peers()
+    run, check, _ = bc._make_op("all_reduce", 4096, 0, 2, peers, torch)
+    run()
+    assert check(), "a sum that keeps -0.0 passes"
+    run()
+    x = peers.last
+    assert bool(torch.signbit(x).all()) and not bool(x.any()), "the timed data is -0.0 in every element"
+    assert x.view(torch.int32).ne(0).all(), "whose bytes are not zero"
+    run, check, _ = bc._make_op("all_reduce", 4096, 0, 2, _Peers(plus_zero=True), torch)
+    run()
+    assert not check(), "a timed loop whose data became +0.0 (all-zero bytes) must fail the row"
 
 
 def _row(op, nbytes, us, **extra):
@@ -124,6 +149,28 @@ def test_each_backend_is_set_against_the_bandwidth_beside_its_own_runs():
     # t3d ran while the machine copied at 10 GB/s: its floor then was twice as long, so 2 / 4 = 50%
     assert row["t3d at floor"] == "50%" and row["t3d-mem at floor"] == "80%", row
     assert "t3d 10.0, t3d-mem 20.0 GB/s" in md and "20.0, 10.0, 20.0 GB/s" in md, md
+
+
+def test_each_run_is_set_against_the_bandwidth_beside_it():
+    mib64 = 64 << 20
+
+    def floor(B):  # all_reduce, 2 ranks
+        return 2 * 2 * mib64 / B * 1e6
+
+    # three runs of t3d; the probes (start, after each run) jump from 10 to 20 GB/s after the first run
+    times = [floor(10e9) / 0.9, floor(20e9) / 0.5, floor(20e9) / 0.7]
+    row = dict(_row("all_reduce", mib64, sorted(times)[1]), time_us_runs=times)
+    res = {"_load": 0.0, "_copy_all_cores": 20e9, "_copy_all_cores_runs": [10e9, 10e9, 20e9, 20e9], "_cores": 2,
+           "_repeat": 3, "_copy_beside": {"t3d": 20e9}, "t3d": [row]}
+    assert bc.beside_runs(res) == {"t3d": [10e9, 20e9, 20e9]}, "rebuilt from the probes of a run saved without it"
+    # each run against its own bandwidth: 90%, 50%, 70%, median 70% (the median time, twice the floor at 20 GB/s,
+    # against the median bandwidth would give 50%)
+    assert _table(bc.render(res, 2, {}), "all_reduce")["64 MiB"]["t3d at floor"] == "70%"
+    res["_copy_beside_runs"] = {"t3d": [10e9, 10e9, 10e9]}  # 90%, 100%, 140%
+    assert _table(bc.render(res, 2, {}), "all_reduce")["64 MiB"]["t3d at floor"] == "100%", "the saved list wins"
+    res.pop("_copy_beside_runs")
+    res["_copy_all_cores_runs"] = [10e9, 20e9]  # does not add up to the runs: the medians, as before
+    assert _table(bc.render(res, 2, {}), "all_reduce")["64 MiB"]["t3d at floor"] == "50%"
 
 
 def test_the_switch_floor_has_its_own_column():

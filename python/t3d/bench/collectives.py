@@ -61,6 +61,10 @@ def _check_output(run, out, ok):
     return check
 
 
+# all_reduce's timed data: negative zero, whose sum in place stays negative zero, 0x80000000 in every element.
+TIMED_ALL_REDUCE_VALUE = -0.0
+
+
 def _make_op(op: str, nbytes: int, rank: int, n: int, dist, torch, group=None, device=None, mem=False):
     """Buffers, a callable that runs the op once, a check, and the message size S in bytes. `group` (all_reduce
     only, for the dispatch floor): run on that group instead of the world. Sizes, inputs and expected outputs are
@@ -69,7 +73,7 @@ def _make_op(op: str, nbytes: int, rank: int, n: int, dist, torch, group=None, d
     As in nccl-tests, the timed callable only communicates: it does not re-initialise its buffers (the fill would
     be timed too, and at 8 ranks on 2 cores filling 16 MiB costs a quarter of the all_reduce). The check sets known
     inputs, runs the op once more, compares every element with the value it must have, and leaves the buffers as
-    the timed loop expects them (all_reduce: zeros, so that repeating it in place never overflows)."""
+    the timed loop expects them (all_reduce: -0.0, TIMED_ALL_REDUCE_VALUE)."""
     n_in, n_out, size_b = counts(op, nbytes, n)
     value = input_value(op, rank, n)
     dev = {"device": device}
@@ -80,14 +84,18 @@ def _make_op(op: str, nbytes: int, rank: int, n: int, dist, torch, group=None, d
     else:
         zeros, empty = (lambda k: torch.zeros(k, **dev)), (lambda k: torch.empty(k, **dev))
     if op == "all_reduce":
-        x = zeros(n_in)
+        # Timed in place on -0.0, which a sum leaves as it is (repeating never overflows) and whose bytes are not
+        # zero: this host writes all-zero lines about 1.5x faster than any others (docs/benchmarks/README.md).
+        x = empty(n_in).fill_(TIMED_ALL_REDUCE_VALUE)
         group = dist.group.WORLD if group is None else group  # passed explicitly either way: the same call
 
         def check():
+            # The warm-up calls (the timed loop's body, just before) left -0.0 as it was, not +0.0; then the check.
+            ok = bool(torch.signbit(x).all()) and not bool(x.any())
             x.fill_(value)
             dist.all_reduce(x, group=group)
-            ok = output_ok(op, rank, n, x)
-            x.zero_()
+            ok = output_ok(op, rank, n, x) and ok
+            x.fill_(TIMED_ALL_REDUCE_VALUE)
             return ok
         return (lambda: dist.all_reduce(x, group=group)), check, size_b
     if op == "broadcast":
@@ -129,10 +137,14 @@ def _max_over_ranks(x: float, dist, torch, device=None) -> float:
     return t.item()
 
 
-# Timed iterations are split into this many batches. Before each batch of an all_reduce row the same loop body runs
-# on a no-op "fake" process group in the same processes: the dispatch floor, measured under the same conditions
-# (this machine's speed drifts by tens of percent over seconds, and 8 processes share 2 cores).
+# An all_reduce row's timed iterations are split into up to this many batches. Before each batch the same loop body
+# runs on a no-op "fake" process group in the same processes: the dispatch floor, measured under the same conditions
+# (this machine's speed drifts by tens of percent over seconds, and 8 processes share 2 cores). Other rows run their
+# calls back to back after one barrier, as the MPI peer and nccl-tests do.
 BATCHES = 5
+# Each batch starts at a barrier, which the ranks leave at different times (with 8 processes on 2 cores, up to a
+# time slice apart): a batch has at least this many calls, so that the skew is not charged to one call alone.
+MIN_BATCH_CALLS = 4
 SMALL_MAX = 4 << 10  # all_reduce rows up to this size, with more ranks than cores, also time one switch per call
 
 
@@ -204,9 +216,10 @@ def _rank_main(rank: int, n: int, backend: str, init: str, ops: list[str], sizes
                 iters = _budget_iters(iters, (time.perf_counter() - t0) / warm,
                                       lambda t: _max_over_ranks(t, dist, torch, device))
                 ok = check()
-                per = max(1, iters // BATCHES)
+                batches = max(1, min(BATCHES if floor_run is not None else 1, iters // MIN_BATCH_CALLS))
+                per = max(1, iters // batches)
                 spent = floor_spent = switch_spent = 0.0
-                for _ in range(BATCHES):
+                for _ in range(batches):
                     if floor_run is not None:  # all ranks at once, as in the timed batch
                         dist.barrier()
                         floor_spent += _timed(floor_run, per)
@@ -216,7 +229,7 @@ def _rank_main(rank: int, n: int, backend: str, init: str, ops: list[str], sizes
                     dist.barrier()
                     spent += _timed(run, per, sync)
                 # the slowest rank's time is the op's time, as in nccl-tests
-                calls = per * BATCHES
+                calls = per * batches
                 stat = torch.tensor([spent / calls, floor_spent / calls, 0.0 if ok else 1.0, switch_spent / calls],
                                     dtype=torch.float64, device=device)
                 dist.all_reduce(stat, op=dist.ReduceOp.MAX)
@@ -408,10 +421,11 @@ def _header(results: dict, n: int, cores: int, skipped: dict) -> list[str]:
                         + ", ".join(f"{b / 1e9:.1f}" for b in results["_copy_all_cores_runs"])
                         + " GB/s" if results.get("_copy_all_cores_runs") else "")
                      + "); the floor column is at B_all. 'X at floor' is X's floor over X's time, the floor taken at "
-                     + ("the bandwidth measured beside X's own runs (" + ", ".join(
-                         f"{b} {v / 1e9:.1f}" for b, v in results["_copy_beside"].items()) + " GB/s: per run the "
-                        "faster of the probes before and after it, the median over the runs), since this shared "
-                        "machine's bandwidth moves within a run" if results.get("_copy_beside") else "B_all")
+                     + ("the bandwidth measured beside each of X's runs (per run the faster of the probes before and "
+                        "after it; medians " + ", ".join(
+                         f"{b} {v / 1e9:.1f}" for b, v in results["_copy_beside"].items()) + " GB/s), since this "
+                        "shared machine's bandwidth moves within a run: each run's floor over that run's time, the "
+                        "median over the runs" if results.get("_copy_beside") else "B_all")
                      + ". No floor where the row's buffers fit in the caches (docs/benchmarks/README.md).")
     else:
         lines.append("Floor: this run did not measure the all-core copy bandwidth B_all, so no row has one.")
@@ -426,7 +440,10 @@ def _header(results: dict, n: int, cores: int, skipped: dict) -> list[str]:
                      "that are not running, so each rank gives up its core about once per call, and this is what "
                      "that alone costs.")
     lines.append("Timed loops only communicate (as in nccl-tests): buffers are not re-initialised inside them; the "
-                 "check sets known inputs and runs the op once more.")
+                 "check sets known inputs and runs the op once more. Their data is never all-zero bytes (all_reduce "
+                 "sums -0.0 in place), which this kind of host writes faster than any other. They run back to back "
+                 "after a barrier (all_reduce rows in up to 5 batches of at least 4 calls, between the dispatch "
+                 "floor's).")
     if results.get("_repeat", 1) > 1:
         lines.append(f"Every backend ran {results['_repeat']} times, the backends taking turns; each time below is "
                      "the median of its runs (the JSON has every run's).")
@@ -435,9 +452,29 @@ def _header(results: dict, n: int, cores: int, skipped: dict) -> list[str]:
     return lines
 
 
-def _at_floor(op: str, n: int, size: int, B: float, row: dict | None) -> str:
-    """The row's floor at copy bandwidth B (the one measured beside its backend's runs) over its time, as a cell."""
-    return f"{100 * fastest_possible_us(op, n, size, B) / row['time_us']:.0f}%" if row else "-"
+def beside_runs(results: dict) -> dict:
+    """{backend: [the copy bandwidth beside each of its runs]}: the run's own list, or, for a run saved before it
+    kept one, rebuilt from its probes (one at the start, one after each backend's run, the backends taking turns in
+    the order the results list them); {} where the probes do not add up (a backend skipped midway)."""
+    if results.get("_copy_beside_runs"):
+        return results["_copy_beside_runs"]
+    probes, backends = results.get("_copy_all_cores_runs") or [], [b for b in results if not b.startswith("_")]
+    repeat = results.get("_repeat", 1)
+    if not backends or len(probes) != 1 + repeat * len(backends):
+        return {}
+    return {b: [max(probes[k * len(backends) + i], probes[k * len(backends) + i + 1]) for k in range(repeat)]
+            for i, b in enumerate(backends)}
+
+
+def _at_floor(op: str, n: int, size: int, B: float, row: dict | None, B_runs: list | None = None) -> str:
+    """The row's share of its floor's speed, as a cell: with each run's bandwidth (B_runs, measured beside that run),
+    the median over the runs of that run's floor over that run's time; else the floor at B over the row's time."""
+    if not row:
+        return "-"
+    times = row.get("time_us_runs")
+    if B_runs and times and len(times) == len(B_runs):
+        return f"{100 * statistics.median(fastest_possible_us(op, n, size, b) / t for b, t in zip(B_runs, times)):.0f}%"
+    return f"{100 * fastest_possible_us(op, n, size, B) / row['time_us']:.0f}%"
 
 
 def _op_table(results: dict, op: str, n: int) -> list[str]:
@@ -449,7 +486,7 @@ def _op_table(results: dict, op: str, n: int) -> list[str]:
     variants = [b for b in backends if b.startswith("t3d-")]
     peers = [b for b in backends if b != "t3d" and b not in variants] if "t3d" in backends else []
     B_all = results.get("_copy_all_cores")
-    beside = results.get("_copy_beside") or {}
+    beside, per_run = results.get("_copy_beside") or {}, beside_runs(results)
     t3d_rows = results.get("t3d", [])
     with_dispatch = op == "all_reduce" and any("floor_us" in r for r in t3d_rows)
     with_switch = op == "all_reduce" and any("switch_floor_us" in r for r in t3d_rows)
@@ -481,10 +518,11 @@ def _op_table(results: dict, op: str, n: int) -> list[str]:
         floor = fastest_possible_us(op, n, size, B_all) if B_all else None
         cells.append(f"{floor:.0f}" if floor is not None else "-")
         if "t3d" in backends:
-            cells.append(_at_floor(op, n, size, beside.get("t3d", B_all), a) if floor is not None else "-")
+            cells.append(_at_floor(op, n, size, beside.get("t3d", B_all), a, per_run.get("t3d"))
+                         if floor is not None else "-")
         for v in variants:
             rv = by[v].get(size)
-            cells.append(_at_floor(op, n, size, beside.get(v, B_all), rv) if floor is not None else "-")
+            cells.append(_at_floor(op, n, size, beside.get(v, B_all), rv, per_run.get(v)) if floor is not None else "-")
             if peers:
                 pv = {p: by[p][size]["time_us"] / rv["time_us"] for p in peers if rv and size in by[p]}
                 bv = min(pv, key=pv.get, default=None)
@@ -696,8 +734,9 @@ def run(args) -> int:
     runs: dict = {b: [] for b in backends}
     # CPU: the all-core copy bandwidth again after every backend's run. The development machine's moves with its
     # neighbours' use of a shared cache (52-98 GB/s within one run), so each backend's rows are set against the
-    # bandwidth measured beside its own runs (per run the faster of the probes before and after it; the median
-    # over its runs), and the floor column against the best probe of the whole run (the least time).
+    # bandwidth measured beside each of its runs (per run the faster of the probes before and after it; each run's
+    # time against its own, the median over the runs), and the floor column against the best probe of the whole
+    # run (the least time).
     probes = [results["_copy_all_cores"]] if device == "cpu" else []
     beside: dict = {}
     for rep in range(args.repeat):  # backends alternate, so that a slow spell of the machine hits each alike
@@ -724,6 +763,7 @@ def run(args) -> int:
         results["_copy_all_cores_runs"] = probes
         results["_copy_all_cores"] = max(probes)
         results["_copy_beside"] = {b: statistics.median(v) for b, v in beside.items() if b not in skipped}
+        results["_copy_beside_runs"] = {b: v for b, v in beside.items() if b not in skipped}
     if args.repeat > 1:
         results["_repeat"] = args.repeat
     out = output_dir(args.out)
