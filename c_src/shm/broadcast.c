@@ -16,13 +16,20 @@ static void bcast_step_begin(t3d_shm_t *s, size_t bytes, t3d_shm_step_t *st) {
  * wait on anyway: one line crosses per reader instead of two (allreduce.c's one-shot does the same). */
 static int bcast_inline(size_t bytes) { return bytes <= T3D_SHM_INLINE_DATA; }
 
+/* From this size the root writes its half with non-temporal stores, which send the lines to memory instead of
+ * leaving them modified in the root's caches. Where the two ranks' CPUs sit on different core complexes of the
+ * host, a reader otherwise fetches every line from the other complex's cache: measured at 2 ranks on data
+ * (docs/benchmarks/broadcast-root-nt-2ranks.txt), far 32 KiB-32 MiB 6-10x faster (32 MiB 14.3 -> 1.7 ms), near
+ * 32-128 KiB 1.5x faster, 512 KiB-8 MiB 1.2-2x slower. */
+#define ROOT_NT_MIN (32u * 1024u)
+
 /* The root's writes of a step: [lo, lo + len) of the buffer into its half, and its info line on the first step. */
 static void root_write(t3d_shm_t *s, const t3d_shm_step_t *st, const char *b, size_t lo, size_t len, size_t bytes) {
   if (bcast_inline(bytes)) {
     t3d__shm_put_inline(s, st, T3D_OP_BROADCAST, bytes, b, bytes);
     return;
   }
-  memcpy(t3d__shm_half(s, s->rank, st->h), b + lo, len);
+  t3d__shm_copy(t3d__shm_half(s, s->rank, st->h), b + lo, len, s->nt && bytes >= ROOT_NT_MIN);
   if (lo == 0) t3d__shm_put_info(s, st, T3D_OP_BROADCAST, bytes, 0); /* next to root_post's seq: written at once */
 }
 
