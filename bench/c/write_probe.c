@@ -5,7 +5,7 @@
  *   -0.0   float -0.0 in every element (0x80000000: what t3d-bench's all_reduce rows move)
  *   data   the C benches' inputs (small integers as float32)
  * and prints each pattern's write bandwidth (bytes written by all threads / time), best and median of its rounds.
- * On the development machine all-zero lines were written about 1.5x faster than the others: a benchmark whose
+ * On the development machine all-zero lines were written 1.5-4x faster than the others: a benchmark whose
  * timed data is zero measures that, not the transport (docs/benchmarks/README.md, "What the timed loops move").
  *
  *   write_probe [-s MiB per destination buffer (32)] [-d destination buffers per thread (7)] [-r rounds (7)]
@@ -13,13 +13,9 @@
 #include <t3d.h>
 
 #include <pthread.h>
-#include <sched.h>
 #include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <time.h>
-#include <unistd.h>
+
+#include "bench_common.h"
 
 #define PIECE (128u * 1024u)
 #define PATTERNS 3
@@ -41,7 +37,12 @@ static double now_s(void) {
 
 static void fill(char *src, int pattern) {
   float *f = (float *)(void *)src;
-  for (size_t i = 0; i < PIECE / sizeof(float); i++) f[i] = pattern == 0 ? 0.0f : pattern == 1 ? -0.0f : (float)(1 + i % 7);
+  for (size_t i = 0; i < PIECE / sizeof(float); i++) f[i] = pattern == 0 ? 0.0f : pattern == 1 ? -0.0f : bench_value(0, i);
+}
+
+static int out_of_memory(void) {
+  fprintf(stderr, "write_probe: out of memory\n");
+  return 1;
 }
 
 /* Every round: each pattern once (the order turns with the round), every thread between the same two barriers. */
@@ -81,10 +82,8 @@ int main(int argc, char **argv) {
       default: return usage(argv[0]);
     }
   }
-  if (threads <= 0) {
-    cpu_set_t set;
-    threads = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 1;
-  }
+  if (threads <= 0) threads = (int)online_cores();
+  if (threads <= 0) threads = 1;
   if (mib == 0 || dests <= 0 || rounds <= 0 || threads > 256) return usage(argv[0]);
   size_t bytes = mib << 20;
   pthread_barrier_t start, end;
@@ -93,16 +92,16 @@ int main(int argc, char **argv) {
   worker_t *w = calloc((size_t)threads, sizeof *w);
   pthread_t *tid = calloc((size_t)threads, sizeof *tid);
   double *times = calloc((size_t)PATTERNS * (size_t)rounds, sizeof *times);
-  if (w == NULL || tid == NULL || times == NULL) return fprintf(stderr, "write_probe: out of memory\n"), 1;
+  if (w == NULL || tid == NULL || times == NULL) return out_of_memory();
   for (int t = 0; t < threads; t++) {
     w[t] = (worker_t){&start, &end, bytes, dests, rounds, {NULL}, calloc((size_t)dests, sizeof(char *))};
-    if (w[t].dst == NULL) return fprintf(stderr, "write_probe: out of memory\n"), 1;
+    if (w[t].dst == NULL) return out_of_memory();
     for (int k = 0; k < PATTERNS; k++) {
-      if (posix_memalign((void **)&w[t].src[k], 4096, PIECE) != 0) return fprintf(stderr, "write_probe: out of memory\n"), 1;
+      if (posix_memalign((void **)&w[t].src[k], 4096, PIECE) != 0) return out_of_memory();
       fill(w[t].src[k], k);
     }
     for (int d = 0; d < dests; d++) {
-      if (posix_memalign((void **)&w[t].dst[d], 4096, bytes) != 0) return fprintf(stderr, "write_probe: out of memory\n"), 1;
+      if (posix_memalign((void **)&w[t].dst[d], 4096, bytes) != 0) return out_of_memory();
       memset(w[t].dst[d], 0x5a, bytes); /* touched, and neither pattern */
     }
     pthread_create(&tid[t], NULL, work, &w[t]);

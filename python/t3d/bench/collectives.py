@@ -85,7 +85,7 @@ def _make_op(op: str, nbytes: int, rank: int, n: int, dist, torch, group=None, d
         zeros, empty = (lambda k: torch.zeros(k, **dev)), (lambda k: torch.empty(k, **dev))
     if op == "all_reduce":
         # Timed in place on -0.0, which a sum leaves as it is (repeating never overflows) and whose bytes are not
-        # zero: this host writes all-zero lines about 1.5x faster than any others (docs/benchmarks/README.md).
+        # zero: this host writes all-zero lines 1.5-4x faster than any others (docs/benchmarks/README.md).
         x = empty(n_in).fill_(TIMED_ALL_REDUCE_VALUE)
         group = dist.group.WORLD if group is None else group  # passed explicitly either way: the same call
 
@@ -442,8 +442,8 @@ def _header(results: dict, n: int, cores: int, skipped: dict) -> list[str]:
     lines.append("Timed loops only communicate (as in nccl-tests): buffers are not re-initialised inside them; the "
                  "check sets known inputs and runs the op once more. Their data is never all-zero bytes (all_reduce "
                  "sums -0.0 in place), which this kind of host writes faster than any other. They run back to back "
-                 "after a barrier (all_reduce rows in up to 5 batches of at least 4 calls, between the dispatch "
-                 "floor's).")
+                 f"after a barrier (all_reduce rows in up to {BATCHES} batches of at least {MIN_BATCH_CALLS} calls, "
+                 "between the dispatch floor's).")
     if results.get("_repeat", 1) > 1:
         lines.append(f"Every backend ran {results['_repeat']} times, the backends taking turns; each time below is "
                      "the median of its runs (the JSON has every run's).")
