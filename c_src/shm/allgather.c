@@ -61,9 +61,9 @@ static char *gather_own(t3d_shm_t *s, const void *sendbuf, void *recvbuf, size_t
 }
 
 /* Step begun: writes this rank's piece [lo, lo + half) of its block into its half (inl: its whole block into its
- * info line) and posts phase 1. */
+ * info line; far: with non-temporal stores, t3d__shm_far) and posts phase 1. */
 static t3d_result_t gather_publish(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step_t *st, const char *own,
-                                   size_t mine, size_t lo, size_t total, int inl) {
+                                   size_t mine, size_t lo, size_t total, int inl, int far) {
   if (inl) {
     T3D_CHECK(t3d__shm_step_acquire(s, ex, st));
     t3d__shm_put_inline(s, st, T3D_OP_ALLGATHERV, total, own, mine);
@@ -75,7 +75,7 @@ static t3d_result_t gather_publish(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_s
   if (lo == 0 || lo < mine) {
     T3D_CHECK(t3d__shm_step_acquire(s, ex, st));
     if (lo == 0) t3d__shm_put_info(s, st, T3D_OP_ALLGATHERV, total, 0);
-    if (lo < mine) memcpy(t3d__shm_half(s, s->rank, st->h), own + lo, t3d__shm_min_sz(s->half, mine - lo));
+    if (lo < mine) t3d__shm_copy(t3d__shm_half(s, s->rank, st->h), own + lo, t3d__shm_min_sz(s->half, mine - lo), far);
   }
   t3d__shm_post_arrived(s, st);
   return T3D_OK;
@@ -146,10 +146,12 @@ t3d_result_t t3d__shm_allgatherv(t3d_exec_t *ex, const void *sendbuf, void *recv
     return gather_direct_collect(s, ex, &st, recvbuf, bytes, displs_bytes, 1, total);
   }
   const char *own = gather_own(s, sendbuf, recvbuf, mine, displs_bytes[s->rank]);
+  int far;
+  T3D_CHECK(t3d__shm_far(s, ex, t3d__shm_probes(s, total), &far));
   for (size_t lo = 0; lo < maxb; lo += s->half) {
     t3d_shm_step_t st;
     t3d__shm_step_begin(s, 2, &st);
-    T3D_CHECK(gather_publish(s, ex, &st, own, mine, lo, total, gather_inline(maxb)));
+    T3D_CHECK(gather_publish(s, ex, &st, own, mine, lo, total, gather_inline(maxb), far));
     gather_ctx_t c = gather_ctx(s, ex, &st, recvbuf, bytes, displs_bytes, 1, lo, total, gather_inline(maxb));
     T3D_CHECK(gather_collect(&c));
   }
@@ -159,7 +161,7 @@ t3d_result_t t3d__shm_allgatherv(t3d_exec_t *ex, const void *sendbuf, void *recv
 /* An allgatherv whose blocks each fit one half or are read from their owners, in parts (one step of the loop
  * above, or the single-copy step). */
 int t3d__shm_gather_fits(t3d_shm_t *s, size_t total_bytes, size_t max_block_bytes) {
-  return total_bytes > 0 && !t3d__shm_mapped_size(s, total_bytes) &&
+  return total_bytes > 0 && !t3d__shm_mapped_size(s, total_bytes) && !t3d__shm_probes(s, total_bytes) &&
          (max_block_bytes <= s->half || t3d__shm_use_direct(s, max_block_bytes)) &&
          t3d__shm_next_half_free(s);
 }
@@ -176,7 +178,7 @@ t3d_result_t t3d__shm_gather_start(t3d_exec_t *ex, const void *sendbuf, void *re
     size_t mine = counts[s->rank] * es;
     const char *own = gather_own(s, sendbuf, recvbuf, mine, displs[s->rank] * es);
     t3d__shm_step_begin(s, 2, &st);
-    res = gather_publish(s, ex, &st, own, mine, 0, total, gather_inline(maxb));
+    res = gather_publish(s, ex, &st, own, mine, 0, total, gather_inline(maxb), 0);
     rs->by_line = 1;
   }
   rs->h = st.h;

@@ -140,6 +140,8 @@ static t3d_result_t reduce_chunked(t3d_shm_t *s, t3d_exec_t *ex, const char *sb,
   if (per == 0) per = unit;
   int collect = root < 0 || root == me;
   int nt = s->nt && count * es >= s->nt_min;
+  int far; /* the slices for the others go into this rank's half with non-temporal stores */
+  T3D_CHECK(t3d__shm_far(s, ex, t3d__shm_probes(s, count * es), &far));
   for (size_t off = 0; off < count; off += per) {
     size_t m = t3d__shm_min_sz(per, count - off);
     size_t sl = (m + unit - 1) / unit * line_elems(es);
@@ -152,7 +154,7 @@ static t3d_result_t reduce_chunked(t3d_shm_t *s, t3d_exec_t *ex, const char *sb,
       if (q == me) continue;
       size_t lo, hi;
       slice_bounds(m, sl, q, &lo, &hi);
-      memcpy(mine + lo * es, sb + (off + lo) * es, (hi - lo) * es);
+      t3d__shm_copy(mine + lo * es, sb + (off + lo) * es, (hi - lo) * es, far);
     }
     t3d__shm_post(s, st.base + 1);
     T3D_CHECK(t3d__shm_wait(s, ex, -1, st.base + 1));

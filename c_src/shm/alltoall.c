@@ -16,7 +16,8 @@ typedef struct {
   char *rb;
   const size_t *rcounts, *rdispls;
   size_t es, lo, piece, gmax;
-  int nt;
+  int nt;  /* copies out of the halves into the user's buffer: non-temporal */
+  int far; /* writes into this rank's half: non-temporal (t3d__shm_far) */
   t3d_result_t res;
 } a2a_ctx_t;
 
@@ -73,10 +74,11 @@ static size_t a2a_local_max(int n, int me, const size_t *scounts, size_t es) {
   return m;
 }
 
-/* Step begun: writes this rank's piece [lo, lo + piece) of every block into its half and posts phase 1. */
+/* Step begun: writes this rank's piece [lo, lo + piece) of every block into its half (far: with non-temporal
+ * stores) and posts phase 1. */
 static t3d_result_t a2a_publish(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step_t *st, const char *sb,
                                 size_t sbias, const size_t *scounts, const size_t *sdispls, size_t es, size_t lo,
-                                size_t local_max) {
+                                size_t local_max, int far) {
   size_t piece = a2a_piece(s);
   T3D_CHECK(t3d__shm_step_acquire(s, ex, st));
   char *half = t3d__shm_half(s, s->rank, st->h);
@@ -91,7 +93,7 @@ static t3d_result_t a2a_publish(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step
   for (int q = 0; q < s->size; q++) {
     size_t blk = scounts[q] * es;
     if (q == s->rank || lo >= blk) continue;
-    memcpy(half + (size_t)q * piece, sb + (sdispls[q] * es - sbias) + lo, t3d__shm_min_sz(piece, blk - lo));
+    t3d__shm_copy(half + (size_t)q * piece, sb + (sdispls[q] * es - sbias) + lo, t3d__shm_min_sz(piece, blk - lo), far);
   }
   t3d__shm_post_arrived(s, st);
   return T3D_OK;
@@ -113,7 +115,7 @@ static a2a_ctx_t a2a_ctx(t3d_shm_t *s, t3d_exec_t *ex, void *recvbuf, const size
   /* gmax starts at this rank's own largest block: the peers' step-0 infos only tell theirs. */
   size_t gmax = a2a_local_max(s->size, s->rank, scounts, es);
   a2a_ctx_t c = {s, ex, NULL, recvbuf, rcounts, rdispls, es, 0, a2a_piece(s), gmax,
-                 s->nt && total / 2 * (size_t)s->size >= s->nt_min, T3D_OK};
+                 s->nt && total / 2 * (size_t)s->size >= s->nt_min, 0, T3D_OK};
   return c;
 }
 
@@ -154,7 +156,7 @@ static t3d_result_t a2a_steps(a2a_ctx_t *c, size_t from, const char *sb, size_t 
     }
     t3d_shm_step_t st;
     t3d__shm_step_begin(s, 2, &st);
-    T3D_CHECK(a2a_publish(s, c->ex, &st, sb, sbias, scounts, sdispls, es, lo, local_max));
+    T3D_CHECK(a2a_publish(s, c->ex, &st, sb, sbias, scounts, sdispls, es, lo, local_max, c->far));
     c->st = &st;
     c->lo = lo;
     T3D_CHECK(a2a_collect(c));
@@ -283,7 +285,9 @@ t3d_result_t t3d__shm_alltoallv(t3d_exec_t *ex, const void *sendbuf, const size_
     if (res == T3D_OK) res = a2a_equal_collect(s, ex, &st, block0, (char *)recvbuf + rdispls[0] * es, blk);
   } else {
     a2a_ctx_t c = a2a_ctx(s, ex, recvbuf, scounts, rcounts, rdispls, es);
-    res = a2a_steps(&c, 0, sb, sbias, scounts, sdispls);
+    /* Only equal blocks: every rank knows the size, so all decide alike whether to probe. */
+    res = t3d__shm_far(s, ex, equal && t3d__shm_probes(s, all), &c.far);
+    if (res == T3D_OK) res = a2a_steps(&c, 0, sb, sbias, scounts, sdispls);
   }
   free(copy);
   return res;
@@ -294,6 +298,7 @@ t3d_result_t t3d__shm_alltoallv(t3d_exec_t *ex, const void *sendbuf, const size_
  * input is needed. */
 int t3d__shm_a2a_fits(t3d_shm_t *s, size_t max_send_block_bytes, int equal) {
   if (equal && t3d__shm_mapped_size(s, max_send_block_bytes * (size_t)s->size)) return 0;
+  if (equal && t3d__shm_probes(s, max_send_block_bytes * (size_t)s->size)) return 0;
   if (max_send_block_bytes > a2a_piece(s) && !a2a_equal_direct(s, equal, max_send_block_bytes)) return 0;
   return t3d__shm_next_half_free(s);
 }
@@ -310,7 +315,8 @@ t3d_result_t t3d__shm_a2a_start(t3d_exec_t *ex, const void *sendbuf, const size_
     res = a2a_equal_publish(s, ex, &st, (const char *)sendbuf + sdispls[0] * es, scounts[0] * es);
   } else {
     t3d__shm_step_begin(s, 2, &st);
-    res = a2a_publish(s, ex, &st, sendbuf, 0, scounts, sdispls, es, 0, a2a_local_max(s->size, s->rank, scounts, es));
+    res = a2a_publish(s, ex, &st, sendbuf, 0, scounts, sdispls, es, 0, a2a_local_max(s->size, s->rank, scounts, es),
+                      0);
     rs->by_line = 1;
   }
   rs->h = st.h;

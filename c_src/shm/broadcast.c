@@ -22,14 +22,22 @@ static int bcast_inline(size_t bytes) { return bytes <= T3D_SHM_INLINE_DATA; }
  * (docs/benchmarks/broadcast-root-nt-2ranks.txt), far 32 KiB-32 MiB 6-10x faster (32 MiB 14.3 -> 1.7 ms), near
  * 32-128 KiB 1.5x faster, 512 KiB-8 MiB 1.2-2x slower. */
 #define ROOT_NT_MIN (32u * 1024u)
+/* From this size a group that times its placement (t3d__shm_far: two ranks with a core each) asks first, and the
+ * root writes plain stores where the ranks sit near each other; the probe's microsecond or two is a few per cent
+ * of a 512 KiB broadcast. */
+#define ROOT_PROBE_MIN (512u * 1024u)
 
-/* The root's writes of a step: [lo, lo + len) of the buffer into its half, and its info line on the first step. */
-static void root_write(t3d_shm_t *s, const t3d_shm_step_t *st, const char *b, size_t lo, size_t len, size_t bytes) {
+static int bcast_probes(const t3d_shm_t *s, size_t bytes) { return s->place_min != 0 && bytes >= ROOT_PROBE_MIN; }
+
+/* The root's writes of a step: [lo, lo + len) of the buffer into its half (nt: with non-temporal stores), and its
+ * info line on the first step. */
+static void root_write(t3d_shm_t *s, const t3d_shm_step_t *st, const char *b, size_t lo, size_t len, size_t bytes,
+                       int nt) {
   if (bcast_inline(bytes)) {
     t3d__shm_put_inline(s, st, T3D_OP_BROADCAST, bytes, b, bytes);
     return;
   }
-  t3d__shm_copy(t3d__shm_half(s, s->rank, st->h), b + lo, len, s->nt && bytes >= ROOT_NT_MIN);
+  t3d__shm_copy(t3d__shm_half(s, s->rank, st->h), b + lo, len, nt);
   if (lo == 0) t3d__shm_put_info(s, st, T3D_OP_BROADCAST, bytes, 0); /* next to root_post's seq: written at once */
 }
 
@@ -74,13 +82,15 @@ t3d_result_t t3d__shm_broadcast(t3d_exec_t *ex, void *buf, size_t bytes, int roo
     if (done) return T3D_OK;
   }
   int nt = s->nt && bytes >= s->nt_min;
+  int root_nt = s->nt && bytes >= ROOT_NT_MIN;
+  if (bcast_probes(s, bytes)) T3D_CHECK(t3d__shm_far(s, ex, 1, &root_nt));
   for (size_t lo = 0; lo < bytes; lo += s->half) {
     size_t len = t3d__shm_min_sz(s->half, bytes - lo);
     t3d_shm_step_t st;
     bcast_step_begin(s, bytes, &st);
     if (s->rank == root) {
       T3D_CHECK(t3d__shm_step_acquire(s, ex, &st));
-      root_write(s, &st, b, lo, len, bytes);
+      root_write(s, &st, b, lo, len, bytes, root_nt);
       T3D_CHECK(root_post(s, ex, &st, bytes, lo == 0));
     } else {
       T3D_CHECK(wait_root(s, ex, &st, root));
@@ -106,7 +116,7 @@ void t3d__shm_bcast_warm(t3d_shm_t *s, size_t bytes) {
 }
 
 int t3d__shm_bcast_fits(t3d_shm_t *s, size_t bytes, int root) {
-  if (bytes == 0 || bytes > s->half || t3d__shm_mapped_size(s, bytes)) return 0;
+  if (bytes == 0 || bytes > s->half || t3d__shm_mapped_size(s, bytes) || bcast_probes(s, bytes)) return 0;
   return root != s->rank || (bytes <= T3D_SHM_SMALL_BYTES ? next_small_free(s) : t3d__shm_next_half_free(s));
 }
 
@@ -119,7 +129,7 @@ t3d_result_t t3d__shm_bcast_start(t3d_exec_t *ex, const void *buf, size_t bytes,
   rs->by_line = 1;
   if (s->rank != root) return T3D_OK;
   T3D_CHECK(t3d__shm_step_acquire(s, ex, &st)); /* free: t3d__shm_bcast_fits checked */
-  root_write(s, &st, buf, 0, bytes, bytes);
+  root_write(s, &st, buf, 0, bytes, bytes, s->nt && bytes >= ROOT_NT_MIN);
   return root_post(s, ex, &st, bytes, 1);
 }
 

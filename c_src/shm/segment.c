@@ -160,6 +160,8 @@ static void read_tuning(t3d_shm_t *s) {
   s->nt = t3d__shm_nt_available();
   /* As many ranks as cores: no blind spinning, but a peer seen running on another core is worth a short spin. */
   s->cpu_aware = t3d__cores_filled() && !t3d__oversubscribed();
+  v = t3d__param_int(T3D_PARAM_SHM_FAR_NS);
+  s->far_ns = v < 0 ? 0 : (uint64_t)v;
   /* Liveness checks need the peers' process ids to mean the same here: true where the ranks could read each
    * other's memory at init (cross-memory attach, which addresses a process by its id), not across pid namespaces. */
   v = t3d__param_int(T3D_PARAM_SHM_LIVENESS_MS);
@@ -246,9 +248,13 @@ t3d_result_t t3d__shm_init(t3d_comm_t *comm, t3d_shm_t **out) {
     /* Mapping a peer's t3d memory opens /proc/<pid>/fd/<n>: allowed wherever reading its memory is. */
     int64_t mapped = t3d__param_int(T3D_PARAM_SHM_MAPPED_BYTES);
     s->mapped_min = (all_bits & T3D_SHM_PROBE_CMA) != 0 && mapped > 0 ? (size_t)mapped : 0;
+    /* Placement probes: two ranks with a core each (t3d__shm_far; with more ranks than cores the scheduler, not
+     * the placement, decides where lines come from). */
+    int64_t place = t3d__param_int(T3D_PARAM_SHM_PLACEMENT_BYTES);
+    s->place_min = comm->size == 2 && !t3d__oversubscribed() && place > 0 ? (size_t)place : 0;
     if (peers == T3D_OK)
-      snprintf(msg, sizeof msg, "1 %d %zu %zu %zu %zu %zu", s->p2p_ok, s->direct_min, s->direct_max,
-               s->a2a_direct_min, s->a2a_direct_max, s->mapped_min);
+      snprintf(msg, sizeof msg, "1 %d %zu %zu %zu %zu %zu %zu", s->p2p_ok, s->direct_min, s->direct_max,
+               s->a2a_direct_min, s->a2a_direct_max, s->mapped_min, s->place_min);
     else snprintf(msg, sizeof msg, "!%s", err);
     res = t3d__store_set(comm, "shm/ready", msg, strlen(msg) + 1);
     if (peers != T3D_OK) {
@@ -286,9 +292,10 @@ t3d_result_t t3d__shm_init(t3d_comm_t *comm, t3d_shm_t **out) {
     if (res != T3D_OK) goto fail;
     T3D_CHECK_GOTO(t3d__store_get(comm, "shm/ready", &v, &len), res, fail);
     int p2p_ok = 0;
-    unsigned long long dmin = 0, dmax = 0, amin = 0, amax = 0, mmin = 0;
+    unsigned long long dmin = 0, dmax = 0, amin = 0, amax = 0, mmin = 0, pmin = 0;
     if (len == 0 || ((char *)v)[len - 1] != '\0' ||
-        sscanf((char *)v, "1 %d %llu %llu %llu %llu %llu", &p2p_ok, &dmin, &dmax, &amin, &amax, &mmin) != 6) {
+        sscanf((char *)v, "1 %d %llu %llu %llu %llu %llu %llu", &p2p_ok, &dmin, &dmax, &amin, &amax, &mmin,
+               &pmin) != 7) {
       res = t3d__set_error(comm, T3D_ERR_SYSTEM, "t3d_comm_init: rank %d of group '%s': shared memory set-up failed: "
                            "%.*s", comm->rank, comm->name, (int)(len > 1 ? len - 2 : 0), len > 1 ? (char *)v + 1 : "");
       goto fail;
@@ -299,15 +306,16 @@ t3d_result_t t3d__shm_init(t3d_comm_t *comm, t3d_shm_t **out) {
     s->a2a_direct_min = (size_t)amin;
     s->a2a_direct_max = (size_t)amax;
     s->mapped_min = (size_t)mmin;
+    s->place_min = (size_t)pmin;
     free(v);
     v = NULL;
   }
   read_tuning(s);
   T3D_INFO("group '%s' rank %d: shared memory %s, %zu bytes, halves of %zu bytes, point-to-point %s, single copy "
            "for allgather blocks of %zu to %zu bytes and alltoall blocks of %zu to %zu (0: off), t3d memory in place "
-           "from %zu bytes (0: never)", comm->name, comm->rank, s->name, s->map_bytes, s->half,
-           s->p2p_ok ? "over shared memory" : "over UCX", s->direct_min, s->direct_max, s->a2a_direct_min,
-           s->a2a_direct_max, s->mapped_min);
+           "from %zu bytes (0: never), placement timed from %zu bytes (0: never)", comm->name, comm->rank, s->name,
+           s->map_bytes, s->half, s->p2p_ok ? "over shared memory" : "over UCX", s->direct_min, s->direct_max,
+           s->a2a_direct_min, s->a2a_direct_max, s->mapped_min, s->place_min);
   *out = s;
   return T3D_OK;
 fail:

@@ -108,6 +108,13 @@ struct t3d_shm {
   size_t mapped_min;  /* collectives of at least this many bytes first offer their buffers as t3d memory (mapped.c);
                        * 0: never (rank 0's choice for all) */
   char **m_in, **m_out; /* scratch: a mapped collective's buffers of every rank, mapped here */
+  size_t place_min;   /* allgather / alltoall of at least this many bytes time the ranks' placement first
+                       * (t3d__shm_far); 0: never (rank 0's choice for all) */
+  uint64_t far_ns;    /* a probe round longer than this: the ranks sit far apart */
+  uint64_t place_ns;  /* the last probe's time per round (0: none yet, or not timed) */
+  int far_now;        /* what the last timed probe found */
+  uint64_t may_probe; /* operations that could have probed: one in PROBE_EVERY does (sync.c) */
+  uint64_t probes;    /* probes run (tests count them) */
   uint32_t offer_gap;   /* offers nobody took in a row make the next ones rarer (mapped.c): skip this many, */
   uint32_t offer_skip;  /* of which this many are left */
   int pid;            /* this process */
@@ -402,6 +409,20 @@ t3d_result_t t3d__shm_check_sole_writer(t3d_shm_t *s, t3d_exec_t *ex, const t3d_
 static inline void t3d__shm_put_addr(t3d_shm_t *s, const t3d_shm_step_t *st, const void *addr) {
   t3d__shm_info(s, s->rank, st->h)->addr = (uint64_t)(uintptr_t)addr;
 }
+
+/* ---------- placement ----------
+ * Whether the ranks of a 2-rank group sit on different core complexes of the host ("far"): then a line one rank
+ * wrote with plain stores reaches the other from the writer's cache across the host's fabric, several times slower
+ * than from memory, and the large operations write their halves with non-temporal stores instead. The placement
+ * changes while a job runs (a virtual machine's CPUs move between host cores), so it is timed again and again: at
+ * the first of the operations of at least s->place_min bytes and at every 16th after it, a few rounds in which both
+ * ranks post a phase and wait for the other's (a step of its own; a microsecond or two against milliseconds). Each rank decides for its own writes alone, so the ranks
+ * need not agree on the answer, only on running the probe: `probe` must be the same on every rank (it follows from
+ * the operation's size). Returns T3D_OK with *far set (0 without a probe), or the wait's error. */
+t3d_result_t t3d__shm_far(t3d_shm_t *s, t3d_exec_t *ex, int probe, int *far);
+/* Whether an allreduce, allgather or alltoall of `bytes` runs the probe (then it never starts in parts: the probe
+ * waits); broadcast.c has its own threshold. */
+static inline int t3d__shm_probes(const t3d_shm_t *s, size_t bytes) { return s->place_min != 0 && bytes >= s->place_min; }
 
 /* ---------- single copy (direct.c) ----------
  * Copies len bytes at addr in process pid into dst: memcpy when pid is self_pid (ranks that are threads of one

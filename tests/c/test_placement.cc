@@ -1,0 +1,212 @@
+// test_placement.cc: the placement probe of two-rank groups (c_src/shm/sync.c, t3d__shm_far). Allgather, alltoall
+// (equal blocks) and allreduce from T3D_SHM_PLACEMENT_BYTES on, broadcast from 512 KiB, first time a few rounds
+// between the two ranks, and write their halves of the segment with non-temporal stores where the rounds were slow
+// (broadcast's root: with plain stores where they were fast). A binary of its own: a
+// group with more ranks than cores anywhere in the process turns the probes off for good (t3d__oversubscribed).
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "harness.h"
+#include "harness_shm.h"
+
+using namespace t3dtest;
+
+namespace {
+
+struct Probes {
+  uint64_t count = 0;
+  int far = 0;
+};
+
+Probes ReadProbes(t3d_comm_t *comm) {
+  Probes p;
+  EXPECT_TRUE(t3dtest_shm_placement(comm, &p.count, &p.far)) << "the group has no shared-memory segment";
+  return p;
+}
+
+float Value(int rank, size_t i) { return static_cast<float>(rank * 1000 + static_cast<int>(i % 97)); }
+
+using EnvVars = std::vector<std::pair<const char *, const char *>>;
+
+class EnvGuard {
+ public:
+  explicit EnvGuard(EnvVars vars) : vars_(std::move(vars)) {
+    for (auto &v : vars_) SetEnv(v.first, v.second);
+  }
+  ~EnvGuard() {
+    for (auto &v : vars_) UnsetEnv(v.first);
+  }
+
+ private:
+  EnvVars vars_;
+};
+
+// Element counts either side of a 4 KiB threshold: the allreduce of 1024 floats probes, the one of 1023 does not;
+// allgather and alltoall move 2 x count floats, so from 512 on; broadcast from 131072. 300003 floats take many
+// steps of a tiny segment.
+const size_t kCounts[] = {100, 511, 512, 1023, 1024, 1025, 40003, 131071, 131072, 300003};
+
+// Runs allreduce, allgather, broadcast and alltoall at every count, checks the results, and that probes ran exactly
+// at the first of the operations that qualify and at every 16th after it (sync.c's PROBE_EVERY), finding `want_far`.
+void RunAll(int rank, t3d_comm_t *comm, int want_far) {
+  const size_t kThreshold = 4096;
+  uint64_t qualified = 0;  // operations so far that could probe
+  // 1 when an operation that qualifies (or 0: does not) should have probed; counts it.
+  auto expected = [&](bool qualifies) -> uint64_t { return qualifies && qualified++ % 16 == 0 ? 1u : 0u; };
+  for (size_t count : kCounts) {
+    const std::string at = " of " + std::to_string(count) + " floats";
+    // allreduce
+    {
+      std::vector<float> in(count), out(count, -1.0f);
+      for (size_t i = 0; i < count; ++i) in[i] = Value(rank, i);
+      Probes before = ReadProbes(comm);
+      if (!RunOk(comm, "allreduce" + at, [&](t3d_request_t **r) {
+            return t3d_allreduce(comm, in.data(), out.data(), count, T3D_FLOAT32, T3D_SUM, nullptr, r);
+          }))
+        return;
+      Probes after = ReadProbes(comm);
+      const bool probes = count * sizeof(float) >= kThreshold;
+      EXPECT_EQ(after.count - before.count, expected(probes)) << "rank " << rank << ": allreduce" << at;
+      if (probes) {
+        EXPECT_EQ(after.far, want_far) << "rank " << rank << ": allreduce" << at;
+      }
+      size_t wrong = 0;
+      for (size_t i = 0; i < count; ++i) wrong += out[i] != Value(0, i) + Value(1, i);
+      EXPECT_EQ(wrong, 0u) << "rank " << rank << ": allreduce" << at;
+    }
+    // allgather: each rank's block of count floats
+    {
+      std::vector<float> in(count), out(2 * count, -1.0f);
+      for (size_t i = 0; i < count; ++i) in[i] = Value(rank, i);
+      Probes before = ReadProbes(comm);
+      if (!RunOk(comm, "allgather" + at, [&](t3d_request_t **r) {
+            return t3d_allgather(comm, in.data(), out.data(), count, T3D_FLOAT32, nullptr, r);
+          }))
+        return;
+      Probes after = ReadProbes(comm);
+      const bool probes = 2 * count * sizeof(float) >= kThreshold;
+      EXPECT_EQ(after.count - before.count, expected(probes)) << "rank " << rank << ": allgather" << at;
+      if (probes) {
+        EXPECT_EQ(after.far, want_far) << "rank " << rank << ": allgather" << at;
+      }
+      size_t wrong = 0;
+      for (int p = 0; p < 2; ++p)
+        for (size_t i = 0; i < count; ++i) wrong += out[p * count + i] != Value(p, i);
+      EXPECT_EQ(wrong, 0u) << "rank " << rank << ": allgather" << at;
+    }
+    // broadcast from rank count % 2: probes from 512 KiB (broadcast.c), whatever T3D_SHM_PLACEMENT_BYTES says
+    {
+      const int root = static_cast<int>(count % 2);
+      std::vector<float> buf(count, -1.0f);
+      if (rank == root)
+        for (size_t i = 0; i < count; ++i) buf[i] = Value(root, i);
+      Probes before = ReadProbes(comm);
+      if (!RunOk(comm, "broadcast" + at, [&](t3d_request_t **r) {
+            return t3d_broadcast(comm, buf.data(), count, T3D_FLOAT32, root, nullptr, r);
+          }))
+        return;
+      Probes after = ReadProbes(comm);
+      const bool probes = count * sizeof(float) >= 512 * 1024;
+      EXPECT_EQ(after.count - before.count, expected(probes)) << "rank " << rank << ": broadcast" << at;
+      if (probes) {
+        EXPECT_EQ(after.far, want_far) << "rank " << rank << ": broadcast" << at;
+      }
+      size_t wrong = 0;
+      for (size_t i = 0; i < count; ++i) wrong += buf[i] != Value(root, i);
+      EXPECT_EQ(wrong, 0u) << "rank " << rank << ": broadcast" << at;
+    }
+    // alltoall: blocks of count floats, block q of rank p holds Value(p, i) + 500 q
+    {
+      std::vector<float> in(2 * count), out(2 * count, -1.0f);
+      for (int q = 0; q < 2; ++q)
+        for (size_t i = 0; i < count; ++i) in[q * count + i] = Value(rank, i) + 500.0f * static_cast<float>(q);
+      Probes before = ReadProbes(comm);
+      if (!RunOk(comm, "alltoall" + at, [&](t3d_request_t **r) {
+            return t3d_alltoall(comm, in.data(), out.data(), count, T3D_FLOAT32, nullptr, r);
+          }))
+        return;
+      Probes after = ReadProbes(comm);
+      const bool probes = 2 * count * sizeof(float) >= kThreshold;
+      EXPECT_EQ(after.count - before.count, expected(probes)) << "rank " << rank << ": alltoall" << at;
+      if (probes) {
+        EXPECT_EQ(after.far, want_far) << "rank " << rank << ": alltoall" << at;
+      }
+      size_t wrong = 0;
+      for (int p = 0; p < 2; ++p)
+        for (size_t i = 0; i < count; ++i) wrong += out[p * count + i] != Value(p, i) + 500.0f * static_cast<float>(rank);
+      EXPECT_EQ(wrong, 0u) << "rank " << rank << ": alltoall" << at;
+    }
+  }
+}
+
+}  // namespace
+
+// T3D_SHM_FAR_NS=0: every probe finds the ranks far apart, and the halves are written with non-temporal stores;
+// a threshold no round reaches: never. Both give the reference results, on a tiny segment (many steps), sizes
+// either side of the threshold (those below may start on the caller's thread, those above never do). The one-shot
+// allreduce and single copy are off: they do not use the halves that way, and do not probe.
+TEST(ShmPlacement, ProbesFromTheThresholdAndBothWritesAgree) {
+  for (const char *far_ns : {"0", "10000000000"}) {
+    EnvGuard env(EnvVars{{"T3D_SHM_PLACEMENT_BYTES", "4096"},
+                         {"T3D_SHM_BYTES", "131072"},
+                         {"T3D_SHM_ONESHOT_BYTES", "0"},
+                         {"T3D_SHM_DIRECT_BYTES", "0"},
+                         {"T3D_SHM_FAR_NS", far_ns}});
+    const int want_far = strcmp(far_ns, "0") == 0;
+    RunRanks(2, [&](int rank, t3d_comm_t *comm) { RunAll(rank, comm, want_far); });
+  }
+}
+
+// T3D_SHM_PLACEMENT_BYTES=0: no probes at all.
+TEST(ShmPlacement, ZeroTurnsTheProbesOff) {
+  EnvGuard env(EnvVars{{"T3D_SHM_PLACEMENT_BYTES", "0"}});
+  RunRanks(2, [&](int rank, t3d_comm_t *comm) {
+    std::vector<float> in(1 << 20, 1.0f), out(1 << 20);
+    if (!RunOk(comm, "allreduce of 4 MiB", [&](t3d_request_t **r) {
+          return t3d_allreduce(comm, in.data(), out.data(), in.size(), T3D_FLOAT32, T3D_SUM, nullptr, r);
+        }))
+      return;
+    EXPECT_EQ(ReadProbes(comm).count, 0u) << "rank " << rank;
+    EXPECT_EQ(out[12345], 2.0f) << "rank " << rank;
+  });
+}
+
+// Ranks that disagree on the size, one above the threshold (it probes) and one below (it does not), fail with
+// T3D_ERR_MISMATCH or time out: never a hang or wrong data.
+TEST(ShmPlacement, SizesEitherSideOfTheThresholdFailCleanly) {
+  EnvGuard env(EnvVars{{"T3D_SHM_PLACEMENT_BYTES", "4096"}});
+  for (int probing_rank : {0, 1}) {
+    RunOptions o;
+    o.comm_timeout_ms = 1000;
+    o.abort_on_failure = false;
+    RunRanks(2, [&](int rank, t3d_comm_t *comm) {
+      const size_t count = rank == probing_rank ? 2048 : 100;
+      std::vector<float> in(count, 1.0f), out(2 * count);
+      std::string err;
+      t3d_request_t *req = nullptr;
+      const t3d_result_t call = t3d_allgather(comm, in.data(), out.data(), count, T3D_FLOAT32, nullptr, &req);
+      const t3d_result_t r = Complete(call, req, &err);
+      EXPECT_TRUE(r == T3D_ERR_MISMATCH || r == T3D_ERR_TIMEOUT)
+          << "rank " << rank << ": " << t3d_result_string(r) << " " << err << " (probing rank " << probing_rank
+          << ")";
+    }, o);
+  }
+}
+
+// Three ranks never probe (the rounds pair two ranks). Last: with more ranks than cores it turns the probes off
+// for the rest of the process.
+TEST(ShmPlacement, OnlyTwoRankGroupsProbe) {
+  EnvGuard env(EnvVars{{"T3D_SHM_PLACEMENT_BYTES", "4096"}});
+  RunRanks(3, [&](int rank, t3d_comm_t *comm) {
+    std::vector<float> in(3 * 4096, 1.0f), out(3 * 4096);
+    if (!RunOk(comm, "allgather of 48 KiB", [&](t3d_request_t **r) {
+          return t3d_allgather(comm, in.data(), out.data(), 4096, T3D_FLOAT32, nullptr, r);
+        }))
+      return;
+    EXPECT_EQ(ReadProbes(comm).count, 0u) << "rank " << rank;
+  });
+}
