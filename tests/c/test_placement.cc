@@ -55,91 +55,66 @@ const size_t kCounts[] = {100, 511, 512, 1023, 1024, 1025, 40003, 131071, 131072
 void RunAll(int rank, t3d_comm_t *comm, int want_far) {
   const size_t kThreshold = 4096;
   uint64_t qualified = 0;  // operations so far that could probe
-  // 1 when an operation that qualifies (or 0: does not) should have probed; counts it.
-  auto expected = [&](bool qualifies) -> uint64_t { return qualifies && qualified++ % 16 == 0 ? 1u : 0u; };
+  // Runs one operation; checks that it probed exactly when it qualifies and is the first or a 16th such, and what
+  // it found. Returns whether it succeeded.
+  auto run = [&](const std::string &what, bool qualifies, const IssueFn &issue) {
+    const Probes before = ReadProbes(comm);
+    if (!RunOk(comm, what, issue)) return false;
+    const Probes after = ReadProbes(comm);
+    const uint64_t want = qualifies && qualified++ % 16 == 0 ? 1u : 0u;
+    EXPECT_EQ(after.count - before.count, want) << "rank " << rank << ": " << what;
+    if (qualifies) {
+      EXPECT_EQ(after.far, want_far) << "rank " << rank << ": " << what;
+    }
+    return true;
+  };
   for (size_t count : kCounts) {
     const std::string at = " of " + std::to_string(count) + " floats";
+    const size_t bytes = count * sizeof(float);
+    size_t wrong = 0;
     // allreduce
-    {
-      std::vector<float> in(count), out(count, -1.0f);
-      for (size_t i = 0; i < count; ++i) in[i] = Value(rank, i);
-      Probes before = ReadProbes(comm);
-      if (!RunOk(comm, "allreduce" + at, [&](t3d_request_t **r) {
-            return t3d_allreduce(comm, in.data(), out.data(), count, T3D_FLOAT32, T3D_SUM, nullptr, r);
-          }))
-        return;
-      Probes after = ReadProbes(comm);
-      const bool probes = count * sizeof(float) >= kThreshold;
-      EXPECT_EQ(after.count - before.count, expected(probes)) << "rank " << rank << ": allreduce" << at;
-      if (probes) {
-        EXPECT_EQ(after.far, want_far) << "rank " << rank << ": allreduce" << at;
-      }
-      size_t wrong = 0;
-      for (size_t i = 0; i < count; ++i) wrong += out[i] != Value(0, i) + Value(1, i);
-      EXPECT_EQ(wrong, 0u) << "rank " << rank << ": allreduce" << at;
-    }
+    std::vector<float> in(count), out(count, -1.0f);
+    for (size_t i = 0; i < count; ++i) in[i] = Value(rank, i);
+    if (!run("allreduce" + at, bytes >= kThreshold, [&](t3d_request_t **r) {
+          return t3d_allreduce(comm, in.data(), out.data(), count, T3D_FLOAT32, T3D_SUM, nullptr, r);
+        }))
+      return;
+    for (size_t i = 0; i < count; ++i) wrong += out[i] != Value(0, i) + Value(1, i);
+    EXPECT_EQ(wrong, 0u) << "rank " << rank << ": allreduce" << at;
     // allgather: each rank's block of count floats
-    {
-      std::vector<float> in(count), out(2 * count, -1.0f);
-      for (size_t i = 0; i < count; ++i) in[i] = Value(rank, i);
-      Probes before = ReadProbes(comm);
-      if (!RunOk(comm, "allgather" + at, [&](t3d_request_t **r) {
-            return t3d_allgather(comm, in.data(), out.data(), count, T3D_FLOAT32, nullptr, r);
-          }))
-        return;
-      Probes after = ReadProbes(comm);
-      const bool probes = 2 * count * sizeof(float) >= kThreshold;
-      EXPECT_EQ(after.count - before.count, expected(probes)) << "rank " << rank << ": allgather" << at;
-      if (probes) {
-        EXPECT_EQ(after.far, want_far) << "rank " << rank << ": allgather" << at;
-      }
-      size_t wrong = 0;
-      for (int p = 0; p < 2; ++p)
-        for (size_t i = 0; i < count; ++i) wrong += out[p * count + i] != Value(p, i);
-      EXPECT_EQ(wrong, 0u) << "rank " << rank << ": allgather" << at;
-    }
+    out.assign(2 * count, -1.0f);
+    if (!run("allgather" + at, 2 * bytes >= kThreshold, [&](t3d_request_t **r) {
+          return t3d_allgather(comm, in.data(), out.data(), count, T3D_FLOAT32, nullptr, r);
+        }))
+      return;
+    wrong = 0;
+    for (int p = 0; p < 2; ++p)
+      for (size_t i = 0; i < count; ++i) wrong += out[p * count + i] != Value(p, i);
+    EXPECT_EQ(wrong, 0u) << "rank " << rank << ": allgather" << at;
     // broadcast from rank count % 2: probes from 512 KiB (broadcast.c), whatever T3D_SHM_PLACEMENT_BYTES says
-    {
-      const int root = static_cast<int>(count % 2);
-      std::vector<float> buf(count, -1.0f);
-      if (rank == root)
-        for (size_t i = 0; i < count; ++i) buf[i] = Value(root, i);
-      Probes before = ReadProbes(comm);
-      if (!RunOk(comm, "broadcast" + at, [&](t3d_request_t **r) {
-            return t3d_broadcast(comm, buf.data(), count, T3D_FLOAT32, root, nullptr, r);
-          }))
-        return;
-      Probes after = ReadProbes(comm);
-      const bool probes = count * sizeof(float) >= 512 * 1024;
-      EXPECT_EQ(after.count - before.count, expected(probes)) << "rank " << rank << ": broadcast" << at;
-      if (probes) {
-        EXPECT_EQ(after.far, want_far) << "rank " << rank << ": broadcast" << at;
-      }
-      size_t wrong = 0;
-      for (size_t i = 0; i < count; ++i) wrong += buf[i] != Value(root, i);
-      EXPECT_EQ(wrong, 0u) << "rank " << rank << ": broadcast" << at;
-    }
+    const int root = static_cast<int>(count % 2);
+    std::vector<float> buf(count, -1.0f);
+    if (rank == root) buf = in;
+    if (!run("broadcast" + at, bytes >= 512 * 1024, [&](t3d_request_t **r) {
+          return t3d_broadcast(comm, buf.data(), count, T3D_FLOAT32, root, nullptr, r);
+        }))
+      return;
+    wrong = 0;
+    for (size_t i = 0; i < count; ++i) wrong += buf[i] != Value(root, i);
+    EXPECT_EQ(wrong, 0u) << "rank " << rank << ": broadcast" << at;
     // alltoall: blocks of count floats, block q of rank p holds Value(p, i) + 500 q
-    {
-      std::vector<float> in(2 * count), out(2 * count, -1.0f);
-      for (int q = 0; q < 2; ++q)
-        for (size_t i = 0; i < count; ++i) in[q * count + i] = Value(rank, i) + 500.0f * static_cast<float>(q);
-      Probes before = ReadProbes(comm);
-      if (!RunOk(comm, "alltoall" + at, [&](t3d_request_t **r) {
-            return t3d_alltoall(comm, in.data(), out.data(), count, T3D_FLOAT32, nullptr, r);
-          }))
-        return;
-      Probes after = ReadProbes(comm);
-      const bool probes = 2 * count * sizeof(float) >= kThreshold;
-      EXPECT_EQ(after.count - before.count, expected(probes)) << "rank " << rank << ": alltoall" << at;
-      if (probes) {
-        EXPECT_EQ(after.far, want_far) << "rank " << rank << ": alltoall" << at;
-      }
-      size_t wrong = 0;
-      for (int p = 0; p < 2; ++p)
-        for (size_t i = 0; i < count; ++i) wrong += out[p * count + i] != Value(p, i) + 500.0f * static_cast<float>(rank);
-      EXPECT_EQ(wrong, 0u) << "rank " << rank << ": alltoall" << at;
-    }
+    std::vector<float> blocks(2 * count);
+    for (int q = 0; q < 2; ++q)
+      for (size_t i = 0; i < count; ++i) blocks[q * count + i] = Value(rank, i) + 500.0f * static_cast<float>(q);
+    out.assign(2 * count, -1.0f);
+    if (!run("alltoall" + at, 2 * bytes >= kThreshold, [&](t3d_request_t **r) {
+          return t3d_alltoall(comm, blocks.data(), out.data(), count, T3D_FLOAT32, nullptr, r);
+        }))
+      return;
+    wrong = 0;
+    for (int p = 0; p < 2; ++p)
+      for (size_t i = 0; i < count; ++i) wrong += out[p * count + i] != Value(p, i) + 500.0f * static_cast<float>(rank);
+    EXPECT_EQ(wrong, 0u) << "rank " << rank << ": alltoall" << at;
   }
 }
 
