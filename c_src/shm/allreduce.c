@@ -140,7 +140,7 @@ static t3d_result_t reduce_chunked(t3d_shm_t *s, t3d_exec_t *ex, const char *sb,
   if (per == 0) per = unit;
   int collect = root < 0 || root == me;
   int nt = s->nt && count * es >= s->nt_min;
-  int far; /* the slices for the others go into this rank's half with non-temporal stores */
+  int far; /* what this rank writes into its half for the others goes with non-temporal stores */
   T3D_CHECK(t3d__shm_far(s, ex, t3d__shm_probes(s, count * es), &far));
   for (size_t off = 0; off < count; off += per) {
     size_t m = t3d__shm_min_sz(per, count - off);
@@ -162,7 +162,11 @@ static t3d_result_t reduce_chunked(t3d_shm_t *s, t3d_exec_t *ex, const char *sb,
     size_t lo, hi;
     slice_bounds(m, sl, me, &lo, &hi);
     for (int p = 0; p < n; p++) s->srcs[p] = p == me ? sb + (off + lo) * es : t3d__shm_half(s, p, st.h) + lo * es;
-    t3d__shm_reduce_n(mine + lo * es, collect ? rb + (off + lo) * es : NULL, s->srcs, n, hi - lo, dt, op, nt);
+    char *out = collect ? rb + (off + lo) * es : NULL;
+    if (far) /* the others read the half: it takes reduce_n's non-temporal stores, the output plain ones */
+      t3d__shm_reduce_n(out, mine + lo * es, s->srcs, n, hi - lo, dt, op, 1);
+    else
+      t3d__shm_reduce_n(mine + lo * es, out, s->srcs, n, hi - lo, dt, op, nt);
     if (!collect) {
       t3d__shm_post(s, st.base + 3);
       continue;

@@ -29,16 +29,17 @@ static void rs_layout(t3d_shm_t *s, const size_t *counts, t3d_dtype_t dt, int ow
   l->own_direct = own_direct;
 }
 
-/* Step begun: writes piece [lo, lo + P) of every block into this rank's half and posts phase 1. */
+/* Step begun: writes piece [lo, lo + P) of every block into this rank's half (far: with non-temporal stores,
+ * t3d__shm_far) and posts phase 1. */
 static t3d_result_t rs_publish(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step_t *st, const rs_layout_t *l,
-                               const char *sb, size_t lo) {
+                               const char *sb, size_t lo, int far) {
   T3D_CHECK(t3d__shm_step_acquire(s, ex, st));
   if (lo == 0) t3d__shm_put_info(s, st, T3D_OP_REDUCE_SCATTERV, l->total * l->es, 0);
   char *half = t3d__shm_half(s, s->rank, st->h);
   for (int q = 0; q < s->size; q++) {
     if ((q == s->rank && l->own_direct) || lo >= l->counts[q]) continue;
-    memcpy(half + (size_t)q * l->P * l->es, sb + (s->offs[q] + lo) * l->es,
-           t3d__shm_min_sz(l->P, l->counts[q] - lo) * l->es);
+    t3d__shm_copy(half + (size_t)q * l->P * l->es, sb + (s->offs[q] + lo) * l->es,
+                  t3d__shm_min_sz(l->P, l->counts[q] - lo) * l->es, far);
   }
   t3d__shm_post_arrived(s, st);
   return T3D_OK;
@@ -89,10 +90,12 @@ t3d_result_t t3d__shm_reduce_scatterv(t3d_exec_t *ex, const void *sendbuf, void 
     rb = scratch;
   }
   t3d_result_t res = T3D_OK;
+  int far;
+  T3D_CHECK_GOTO(t3d__shm_far(s, ex, t3d__shm_probes(s, total * es), &far), res, out);
   for (size_t lo = 0; lo < l.maxc; lo += l.P) {
     t3d_shm_step_t st;
     t3d__shm_step_begin(s, 2, &st);
-    T3D_CHECK_GOTO(rs_publish(s, ex, &st, &l, sb, lo), res, out);
+    T3D_CHECK_GOTO(rs_publish(s, ex, &st, &l, sb, lo, far), res, out);
     T3D_CHECK_GOTO(rs_fold(s, ex, &st, &l, sb, rb, lo, dt, op), res, out);
   }
   if (scratch != NULL) memcpy(recvbuf, scratch, mine);
@@ -103,8 +106,8 @@ out:
 
 /* A reduce_scatterv in one step, in parts, when the output does not overlap the input (no scratch). */
 int t3d__shm_rs_fits(t3d_shm_t *s, size_t total_bytes, size_t max_block_bytes, size_t es) {
-  return total_bytes > 0 && !t3d__shm_mapped_size(s, total_bytes) && max_block_bytes <= rs_piece(s, es) * es &&
-         t3d__shm_next_half_free(s);
+  return total_bytes > 0 && !t3d__shm_mapped_size(s, total_bytes) && !t3d__shm_probes(s, total_bytes) &&
+         max_block_bytes <= rs_piece(s, es) * es && t3d__shm_next_half_free(s);
 }
 
 t3d_result_t t3d__shm_rs_start(t3d_exec_t *ex, const void *sendbuf, const size_t *counts, t3d_dtype_t dt,
@@ -117,7 +120,7 @@ t3d_result_t t3d__shm_rs_start(t3d_exec_t *ex, const void *sendbuf, const size_t
   rs->h = st.h;
   rs->base = st.base;
   rs->by_line = 1;
-  return rs_publish(s, ex, &st, &l, sendbuf, 0);
+  return rs_publish(s, ex, &st, &l, sendbuf, 0, 0);
 }
 
 t3d_result_t t3d__shm_rs_finish(t3d_exec_t *ex, const t3d_shm_resume_t *rs, const void *sendbuf, void *recvbuf,

@@ -412,17 +412,21 @@ static inline void t3d__shm_put_addr(t3d_shm_t *s, const t3d_shm_step_t *st, con
 
 /* ---------- placement ----------
  * Whether the ranks of a 2-rank group sit on different core complexes of the host ("far"): then a line one rank
- * wrote with plain stores reaches the other from the writer's cache across the host's fabric, several times slower
- * than from memory, and the large operations write their halves with non-temporal stores instead. The placement
- * changes while a job runs (a virtual machine's CPUs move between host cores), so it is timed again and again: at
- * the first of the operations of at least s->place_min bytes and at every 16th after it, a few rounds in which both
- * ranks post a phase and wait for the other's (a step of its own; a microsecond or two against milliseconds). Each rank decides for its own writes alone, so the ranks
- * need not agree on the answer, only on running the probe: `probe` must be the same on every rank (it follows from
- * the operation's size). Returns T3D_OK with *far set (0 without a probe), or the wait's error. */
+ * wrote with plain stores reaches the other from the writer's cache across the host's fabric, which in one kind of
+ * far placement is several times slower than from memory, and the large operations write their halves with
+ * non-temporal stores instead. The placement changes while a job runs (a virtual machine's CPUs move between host
+ * cores), so it is timed again and again: at the first of the operations that may probe and at every 16th after
+ * it, a few rounds in which both ranks post a phase and wait for the other's (a step of its own; a microsecond or
+ * two against milliseconds). Each rank decides for its own writes alone, so the ranks need not agree on the answer,
+ * only on when to probe: `probe` must be the same on every rank (it follows from the operation and its size).
+ * Returns T3D_OK with *far set (0 where the operation may not probe; else the last timed answer), or the wait's
+ * error. */
 t3d_result_t t3d__shm_far(t3d_shm_t *s, t3d_exec_t *ex, int probe, int *far);
-/* Whether an allreduce, allgather or alltoall of `bytes` runs the probe (then it never starts in parts: the probe
- * waits); broadcast.c has its own threshold. */
-static inline int t3d__shm_probes(const t3d_shm_t *s, size_t bytes) { return s->place_min != 0 && bytes >= s->place_min; }
+/* Whether an allreduce, reduce_scatter, allgather or alltoall of `bytes` may probe (then it never starts in parts: a
+ * probe waits); broadcast.c has its own threshold. */
+static inline int t3d__shm_probes(const t3d_shm_t *s, size_t bytes) {
+  return s->place_min != 0 && bytes >= s->place_min;
+}
 
 /* ---------- single copy (direct.c) ----------
  * Copies len bytes at addr in process pid into dst: memcpy when pid is self_pid (ranks that are threads of one

@@ -287,7 +287,7 @@ t3d_result_t t3d__shm_start_wait(t3d_exec_t *ex, const t3d_shm_resume_t *rs, int
 enum {
   PROBE_ROUNDS = 8, /* the first two are not timed: the ranks meet in the first, the second starts the clock */
   PROBE_SPINS = 4096, /* polls of the peer's flag in a round before the probe gives up timing and just waits */
-  PROBE_EVERY = 16    /* operations that may probe per probe: the others keep the last answer */
+  PROBE_EVERY = 16    /* one probe per this many operations that may probe; the others keep the last answer */
 };
 
 /* The median of the timed rounds: one round that an interrupt or a preemption stretched does not decide. */
@@ -342,8 +342,8 @@ t3d_result_t t3d__shm_far(t3d_shm_t *s, t3d_exec_t *ex, int probe, int *far) {
   /* An untimed probe keeps the last answer. */
   if (timed || s->far_ns == 0) s->far_now = s->place_ns > s->far_ns || s->far_ns == 0;
   *far = s->far_now && s->nt;
-  T3D_TRACE("group rank %d: placement probe %llu ns per round: %s", s->rank, (unsigned long long)s->place_ns,
-            s->far_now ? "far" : "near");
+  T3D_TRACE("group '%s' rank %d: placement probe: %llu ns a round (0: not timed), %s", ex->comm->name, s->rank,
+            (unsigned long long)s->place_ns, s->far_now ? "far" : "near");
   return T3D_OK;
 }
 

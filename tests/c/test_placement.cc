@@ -50,7 +50,7 @@ class EnvGuard {
 // steps of a tiny segment.
 const size_t kCounts[] = {100, 511, 512, 1023, 1024, 1025, 40003, 131071, 131072, 300003};
 
-// Runs allreduce, allgather, broadcast and alltoall at every count, checks the results, and that probes ran exactly
+// Runs allreduce (also in place), reduce, reduce_scatter, allgather, broadcast and alltoall at every count, checks the results, and that probes ran exactly
 // at the first of the operations that qualify and at every 16th after it (sync.c's PROBE_EVERY), finding `want_far`.
 void RunAll(int rank, t3d_comm_t *comm, int want_far) {
   const size_t kThreshold = 4096;
@@ -81,6 +81,34 @@ void RunAll(int rank, t3d_comm_t *comm, int want_far) {
       return;
     for (size_t i = 0; i < count; ++i) wrong += out[i] != Value(0, i) + Value(1, i);
     EXPECT_EQ(wrong, 0u) << "rank " << rank << ": allreduce" << at;
+    // allreduce in place, and reduce to rank count % 2 (whose output alone is written)
+    std::vector<float> io = in;
+    if (!run("allreduce in place" + at, bytes >= kThreshold, [&](t3d_request_t **r) {
+          return t3d_allreduce(comm, io.data(), io.data(), count, T3D_FLOAT32, T3D_SUM, nullptr, r);
+        }))
+      return;
+    EXPECT_TRUE(io == out) << "rank " << rank << ": allreduce in place" << at;
+    const int root = static_cast<int>(count % 2);
+    std::vector<float> red(count, -1.0f);
+    if (!run("reduce" + at, bytes >= kThreshold, [&](t3d_request_t **r) {
+          return t3d_reduce(comm, in.data(), red.data(), count, T3D_FLOAT32, T3D_SUM, root, nullptr, r);
+        }))
+      return;
+    if (rank == root) {
+      EXPECT_TRUE(red == out) << "rank " << rank << ": reduce" << at;
+    }
+    // reduce_scatter: blocks of count floats, block q of rank p holds Value(p, i) + 500 q
+    std::vector<float> blocks(2 * count);
+    for (int q = 0; q < 2; ++q)
+      for (size_t i = 0; i < count; ++i) blocks[q * count + i] = Value(rank, i) + 500.0f * static_cast<float>(q);
+    std::vector<float> mine(count, -1.0f);
+    if (!run("reduce_scatter" + at, 2 * bytes >= kThreshold, [&](t3d_request_t **r) {
+          return t3d_reduce_scatter(comm, blocks.data(), mine.data(), count, T3D_FLOAT32, T3D_SUM, nullptr, r);
+        }))
+      return;
+    wrong = 0;
+    for (size_t i = 0; i < count; ++i) wrong += mine[i] != out[i] + 1000.0f * static_cast<float>(rank);
+    EXPECT_EQ(wrong, 0u) << "rank " << rank << ": reduce_scatter" << at;
     // allgather: each rank's block of count floats
     out.assign(2 * count, -1.0f);
     if (!run("allgather" + at, 2 * bytes >= kThreshold, [&](t3d_request_t **r) {
@@ -92,7 +120,6 @@ void RunAll(int rank, t3d_comm_t *comm, int want_far) {
       for (size_t i = 0; i < count; ++i) wrong += out[p * count + i] != Value(p, i);
     EXPECT_EQ(wrong, 0u) << "rank " << rank << ": allgather" << at;
     // broadcast from rank count % 2: probes from 512 KiB (broadcast.c), whatever T3D_SHM_PLACEMENT_BYTES says
-    const int root = static_cast<int>(count % 2);
     std::vector<float> buf(count, -1.0f);
     if (rank == root) buf = in;
     if (!run("broadcast" + at, bytes >= 512 * 1024, [&](t3d_request_t **r) {
@@ -102,10 +129,7 @@ void RunAll(int rank, t3d_comm_t *comm, int want_far) {
     wrong = 0;
     for (size_t i = 0; i < count; ++i) wrong += buf[i] != Value(root, i);
     EXPECT_EQ(wrong, 0u) << "rank " << rank << ": broadcast" << at;
-    // alltoall: blocks of count floats, block q of rank p holds Value(p, i) + 500 q
-    std::vector<float> blocks(2 * count);
-    for (int q = 0; q < 2; ++q)
-      for (size_t i = 0; i < count; ++i) blocks[q * count + i] = Value(rank, i) + 500.0f * static_cast<float>(q);
+    // alltoall: the same blocks
     out.assign(2 * count, -1.0f);
     if (!run("alltoall" + at, 2 * bytes >= kThreshold, [&](t3d_request_t **r) {
           return t3d_alltoall(comm, blocks.data(), out.data(), count, T3D_FLOAT32, nullptr, r);
