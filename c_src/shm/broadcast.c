@@ -27,7 +27,7 @@ static int bcast_inline(size_t bytes) { return bytes <= T3D_SHM_INLINE_DATA; }
  * of a 512 KiB broadcast. */
 #define ROOT_PROBE_MIN (512u * 1024u)
 
-static int bcast_probes(const t3d_shm_t *s, size_t bytes) { return s->place_min != 0 && bytes >= ROOT_PROBE_MIN; }
+static int bcast_probes(const t3d_shm_t *s, size_t bytes) { return t3d__shm_probes_from(s, bytes, ROOT_PROBE_MIN); }
 
 /* The root's writes of a step: [lo, lo + len) of the buffer into its half (nt: with non-temporal stores), and its
  * info line on the first step. */

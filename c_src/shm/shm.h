@@ -111,7 +111,6 @@ struct t3d_shm {
   size_t place_min;   /* allgather / alltoall of at least this many bytes time the ranks' placement first
                        * (t3d__shm_far); 0: never (rank 0's choice for all) */
   uint64_t far_ns;    /* a probe round longer than this: the ranks sit far apart */
-  uint64_t place_ns;  /* the last probe's time per round (0: none yet, or not timed) */
   int far_now;        /* what the last timed probe found */
   uint64_t may_probe; /* operations that could have probed: one in PROBE_EVERY does (sync.c) */
   uint64_t probes;    /* probes run (tests count them) */
@@ -423,9 +422,12 @@ static inline void t3d__shm_put_addr(t3d_shm_t *s, const t3d_shm_step_t *st, con
  * error. */
 t3d_result_t t3d__shm_far(t3d_shm_t *s, t3d_exec_t *ex, int probe, int *far);
 /* Whether an allreduce, reduce_scatter, allgather or alltoall of `bytes` may probe (then it never starts in parts: a
- * probe waits); broadcast.c has its own threshold. */
+ * probe waits); broadcast.c asks from its own threshold. */
+static inline int t3d__shm_probes_from(const t3d_shm_t *s, size_t bytes, size_t min) {
+  return s->place_min != 0 && bytes >= min;
+}
 static inline int t3d__shm_probes(const t3d_shm_t *s, size_t bytes) {
-  return s->place_min != 0 && bytes >= s->place_min;
+  return t3d__shm_probes_from(s, bytes, s->place_min);
 }
 
 /* ---------- single copy (direct.c) ----------

@@ -301,16 +301,8 @@ static uint64_t median_round(uint64_t *v, int n) {
   return (v[(n - 1) / 2] + v[n / 2]) / 2;
 }
 
-t3d_result_t t3d__shm_far(t3d_shm_t *s, t3d_exec_t *ex, int probe, int *far) {
-  *far = 0;
-  if (!probe || s->place_min == 0) return T3D_OK;
-  /* Every rank counts the same operations, so all probe at the same ones. Each probe makes the ranks meet, which
-   * costs a broadcast root the lead it may otherwise keep over its reader (measured, 32 MiB back to back: 2.1 ms
-   * a broadcast without probes, 3.0-3.6 with one each). */
-  if (s->may_probe++ % PROBE_EVERY != 0) {
-    *far = s->far_now && s->nt;
-    return T3D_OK;
-  }
+/* One probe: sets s->far_now from the median round, unless a round went untimed (then the last answer stays). */
+static t3d_result_t probe_placement(t3d_shm_t *s, t3d_exec_t *ex) {
   int peer = 1 - s->rank; /* place_min is 0 unless the group has two ranks */
   s->probes++;
   t3d_shm_step_t st;
@@ -338,12 +330,22 @@ t3d_result_t t3d__shm_far(t3d_shm_t *s, t3d_exec_t *ex, int probe, int *far) {
     if (k > 2) round_ns[k - 3] = now - last; /* round 2 only starts the clock */
     last = now;
   }
-  s->place_ns = timed ? median_round(round_ns, PROBE_ROUNDS - 2) : 0;
-  /* An untimed probe keeps the last answer. */
-  if (timed || s->far_ns == 0) s->far_now = s->place_ns > s->far_ns || s->far_ns == 0;
-  *far = s->far_now && s->nt;
+  uint64_t median = timed ? median_round(round_ns, PROBE_ROUNDS - 2) : 0;
+  if (s->far_ns == 0) s->far_now = 1;
+  else if (timed) s->far_now = median > s->far_ns;
   T3D_TRACE("group '%s' rank %d: placement probe: %llu ns a round (0: not timed), %s", ex->comm->name, s->rank,
-            (unsigned long long)s->place_ns, s->far_now ? "far" : "near");
+            (unsigned long long)median, s->far_now ? "far" : "near");
+  return T3D_OK;
+}
+
+t3d_result_t t3d__shm_far(t3d_shm_t *s, t3d_exec_t *ex, int probe, int *far) {
+  *far = 0;
+  if (!probe || s->place_min == 0) return T3D_OK;
+  /* Every rank counts the same operations, so all probe at the same ones. Each probe makes the ranks meet, which
+   * costs a broadcast root the lead it may otherwise keep over its reader (measured, 32 MiB back to back: 2.1 ms
+   * a broadcast without probes, 3.0-3.6 with one each). */
+  if (s->may_probe++ % PROBE_EVERY == 0) T3D_CHECK(probe_placement(s, ex));
+  *far = s->far_now && s->nt;
   return T3D_OK;
 }
 

@@ -30,6 +30,14 @@ Probes ReadProbes(t3d_comm_t *comm) {
 
 float Value(int rank, size_t i) { return static_cast<float>(rank * 1000 + static_cast<int>(i % 97)); }
 
+// Elements of got that differ from want(index).
+template <typename Want>
+size_t Wrong(const std::vector<float> &got, Want want) {
+  size_t n = 0;
+  for (size_t i = 0; i < got.size(); ++i) n += got[i] != want(i);
+  return n;
+}
+
 using EnvVars = std::vector<std::pair<const char *, const char *>>;
 
 class EnvGuard {
@@ -50,8 +58,9 @@ class EnvGuard {
 // steps of a tiny segment.
 const size_t kCounts[] = {100, 511, 512, 1023, 1024, 1025, 40003, 131071, 131072, 300003};
 
-// Runs allreduce (also in place), reduce, reduce_scatter, allgather, broadcast and alltoall at every count, checks the results, and that probes ran exactly
-// at the first of the operations that qualify and at every 16th after it (sync.c's PROBE_EVERY), finding `want_far`.
+// Runs allreduce (also in place), reduce, reduce_scatter, allgather, broadcast and alltoall at every count, checks
+// the results, and that probes ran exactly at the first of the operations that qualify and at every 16th after it
+// (sync.c's PROBE_EVERY), finding `want_far`.
 void RunAll(int rank, t3d_comm_t *comm, int want_far) {
   const size_t kThreshold = 4096;
   uint64_t qualified = 0;  // operations so far that could probe
@@ -71,7 +80,6 @@ void RunAll(int rank, t3d_comm_t *comm, int want_far) {
   for (size_t count : kCounts) {
     const std::string at = " of " + std::to_string(count) + " floats";
     const size_t bytes = count * sizeof(float);
-    size_t wrong = 0;
     // allreduce
     std::vector<float> in(count), out(count, -1.0f);
     for (size_t i = 0; i < count; ++i) in[i] = Value(rank, i);
@@ -79,8 +87,8 @@ void RunAll(int rank, t3d_comm_t *comm, int want_far) {
           return t3d_allreduce(comm, in.data(), out.data(), count, T3D_FLOAT32, T3D_SUM, nullptr, r);
         }))
       return;
-    for (size_t i = 0; i < count; ++i) wrong += out[i] != Value(0, i) + Value(1, i);
-    EXPECT_EQ(wrong, 0u) << "rank " << rank << ": allreduce" << at;
+    EXPECT_EQ(Wrong(out, [](size_t i) { return Value(0, i) + Value(1, i); }), 0u)
+        << "rank " << rank << ": allreduce" << at;
     // allreduce in place, and reduce to rank count % 2 (whose output alone is written)
     std::vector<float> io = in;
     if (!run("allreduce in place" + at, bytes >= kThreshold, [&](t3d_request_t **r) {
@@ -106,19 +114,16 @@ void RunAll(int rank, t3d_comm_t *comm, int want_far) {
           return t3d_reduce_scatter(comm, blocks.data(), mine.data(), count, T3D_FLOAT32, T3D_SUM, nullptr, r);
         }))
       return;
-    wrong = 0;
-    for (size_t i = 0; i < count; ++i) wrong += mine[i] != out[i] + 1000.0f * static_cast<float>(rank);
-    EXPECT_EQ(wrong, 0u) << "rank " << rank << ": reduce_scatter" << at;
+    EXPECT_EQ(Wrong(mine, [&](size_t i) { return out[i] + 1000.0f * static_cast<float>(rank); }), 0u)
+        << "rank " << rank << ": reduce_scatter" << at;
     // allgather: each rank's block of count floats
     out.assign(2 * count, -1.0f);
     if (!run("allgather" + at, 2 * bytes >= kThreshold, [&](t3d_request_t **r) {
           return t3d_allgather(comm, in.data(), out.data(), count, T3D_FLOAT32, nullptr, r);
         }))
       return;
-    wrong = 0;
-    for (int p = 0; p < 2; ++p)
-      for (size_t i = 0; i < count; ++i) wrong += out[p * count + i] != Value(p, i);
-    EXPECT_EQ(wrong, 0u) << "rank " << rank << ": allgather" << at;
+    EXPECT_EQ(Wrong(out, [&](size_t j) { return Value(static_cast<int>(j / count), j % count); }), 0u)
+        << "rank " << rank << ": allgather" << at;
     // broadcast from rank count % 2: probes from 512 KiB (broadcast.c), whatever T3D_SHM_PLACEMENT_BYTES says
     std::vector<float> buf(count, -1.0f);
     if (rank == root) buf = in;
@@ -126,19 +131,16 @@ void RunAll(int rank, t3d_comm_t *comm, int want_far) {
           return t3d_broadcast(comm, buf.data(), count, T3D_FLOAT32, root, nullptr, r);
         }))
       return;
-    wrong = 0;
-    for (size_t i = 0; i < count; ++i) wrong += buf[i] != Value(root, i);
-    EXPECT_EQ(wrong, 0u) << "rank " << rank << ": broadcast" << at;
+    EXPECT_EQ(Wrong(buf, [&](size_t i) { return Value(root, i); }), 0u) << "rank " << rank << ": broadcast" << at;
     // alltoall: the same blocks
     out.assign(2 * count, -1.0f);
     if (!run("alltoall" + at, 2 * bytes >= kThreshold, [&](t3d_request_t **r) {
           return t3d_alltoall(comm, blocks.data(), out.data(), count, T3D_FLOAT32, nullptr, r);
         }))
       return;
-    wrong = 0;
-    for (int p = 0; p < 2; ++p)
-      for (size_t i = 0; i < count; ++i) wrong += out[p * count + i] != Value(p, i) + 500.0f * static_cast<float>(rank);
-    EXPECT_EQ(wrong, 0u) << "rank " << rank << ": alltoall" << at;
+    const float shift = 500.0f * static_cast<float>(rank);
+    EXPECT_EQ(Wrong(out, [&](size_t j) { return Value(static_cast<int>(j / count), j % count) + shift; }), 0u)
+        << "rank " << rank << ": alltoall" << at;
   }
 }
 
