@@ -76,8 +76,10 @@ def _create(dist_backend_opts, backend_options):
 def register() -> None:
     """Registers "t3d" for cpu and cuda once; later calls do nothing."""
     global _registered
-    from ._compat.torch_compat import backend_registered
+    from ._compat.torch_compat import backend_registered, skip_torch_fr_hook
 
+    # t3d's groups record their operations in t3d's own flight recorder (t3d.flight_recorder), in torch's format.
+    skip_torch_fr_hook(BACKEND_NAME)
     if _registered or backend_registered(BACKEND_NAME):
         _registered = True
         return

@@ -161,6 +161,29 @@ def backend_registered(name: str) -> bool:
     return name.upper() in plugins
 
 
+def skip_torch_fr_hook(name: str) -> bool:
+    """Tells torch that backend `name` records its own flight recorder entries, so that torch does not attach its
+    backend-agnostic recording hook to the backend's groups. torch 2.15 attaches that hook to every group whose
+    backend is not in distributed_c10d._FR_SELF_RECORDING_BACKENDS (torch 2.9 has neither): it would record each
+    t3d operation a second time, taking a Python traceback on the caller's thread (about 2 us per operation, half of
+    a small all_reduce through torch). False where this torch has no such hook."""
+    from torch.distributed import distributed_c10d as c10d
+
+    names = getattr(c10d, "_FR_SELF_RECORDING_BACKENDS", None)
+    if not isinstance(names, set):
+        return False
+    names.add(name)
+    return True
+
+
+def torch_fr_hook_attached(pg) -> bool | None:
+    """Whether torch attached its own flight recorder hook to group `pg`; None where this torch has no such hook."""
+    from torch.distributed import distributed_c10d as c10d
+
+    hooks = getattr(getattr(c10d, "_world", None), "pg_flight_recorder_hooks", None)
+    return None if hooks is None else pg in hooks
+
+
 # torch's flight recorder analyser (torchfrtrace), newest location first. torch 2.15 ships it in the wheel; torch
 # 2.9.1's wheel declares the torchfrtrace script but not the module it names (tools.flight_recorder), so there is
 # none to run.
