@@ -137,6 +137,13 @@ def test_rows_are_set_against_the_floor_and_the_best_peer():
     assert _table(md, "all_reduce")["64 MiB"]["floor (us)"] == "-" and "did not measure" in md
 
 
+def test_mpi_pages_are_named_only_where_the_run_recorded_them():
+    res = {"_load": 0.0, "t3d": [_row("all_reduce", 8, 5.0)], "mpi": [_row("all_reduce", 8, 1.0)]}
+    assert "ordinary pages" not in bc.render(res, 2, {}), "runs saved before the peer's plain pages say nothing"
+    res["_mpi_pages"] = "plain"
+    assert "mpi: Open MPI through mpi4py, on numpy buffers on ordinary pages" in bc.render(res, 2, {})
+
+
 def test_each_backend_is_set_against_the_bandwidth_beside_its_own_runs():
     mib64 = 64 << 20
     floor_us = 2 * 2 * mib64 / 20e9 * 1e6  # all_reduce, 2 ranks, at the run's best probe (20 GB/s)

@@ -551,6 +551,10 @@ def render(results: dict, n: int, skipped: dict) -> str:
         lines += ["", "t3d-mem: t3d with every buffer in t3d memory (`t3d.mem.empty`), which the ranks map from each "
                       "other: collectives of equal blocks from T3D_SHM_MAPPED_BYTES (1 MiB) copy each byte once, in "
                       "place, instead of twice through the shared segment (README, \"Registered memory\")."]
+    if "mpi" in backends and results.get("_mpi_pages") == "plain":
+        lines += ["", "mpi: Open MPI through mpi4py, on numpy buffers on ordinary pages, as torch's tensors are (numpy "
+                      "alone would ask the kernel for transparent huge pages, on which large copies ran up to 1.8x "
+                      "faster here: docs/benchmarks/thp-2ranks.txt)."]
     return "\n".join(lines) + "\n"
 
 
@@ -731,6 +735,8 @@ def run(args) -> int:
                 print(f"skipping mpi: {why}", flush=True)
                 continue
         backends.append(b)
+    if "mpi" in backends:
+        results["_mpi_pages"] = "plain"  # mpi_peer.plain_array: as torch's tensors, not numpy's huge pages
     runs: dict = {b: [] for b in backends}
     # CPU: the all-core copy bandwidth again after every backend's run. The development machine's moves with its
     # neighbours' use of a shared cache (52-98 GB/s within one run), so each backend's rows are set against the

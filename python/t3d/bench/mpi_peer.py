@@ -1,6 +1,7 @@
 """Open MPI's side of `t3d-bench collectives`: every rank of an mpirun runs the ops through mpi4py on numpy float32
-buffers, with the sizes, inputs, checks and calls per row of opspec.py, as the torch.distributed ranks of
-collectives.py do, and rank 0 prints the rows on one line, "T3D_BENCH_ROWS <json>", for collectives.run_mpi.
+buffers (on ordinary pages, as torch's tensors: plain_array), with the sizes, inputs, checks and calls per row of
+opspec.py, as the torch.distributed ranks of collectives.py do, and rank 0 prints the rows on one line,
+"T3D_BENCH_ROWS <json>", for collectives.run_mpi.
 
     mpirun --oversubscribe --bind-to none -np N python .../t3d/bench/mpi_peer.py OPS_JSON SIZES_JSON BUDGET_S
 
@@ -13,6 +14,7 @@ loads torch and t3d's extension into every rank.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import sys
 import time
@@ -58,13 +60,23 @@ def parse_output(stdout: str) -> list[dict] | None:
     return None
 
 
+def plain_array(np, count: int):
+    """An uninitialised float32 array of count elements on anonymous pages that nobody asked to be huge, as torch's
+    CPU tensors are by default, so that every backend of the bench moves the same kind of memory. numpy asks the
+    kernel for transparent huge pages for its large arrays itself; on huge pages large copies and the kernel's
+    single copy ran up to 1.8x faster here (docs/benchmarks/thp-2ranks.txt)."""
+    pages = mmap.mmap(-1, max(count, 1) * 4, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # as malloc's
+    return np.frombuffer(pages, np.float32, count)
+
+
 def make_op(op: str, nbytes: int, comm, MPI, np):
     """(a callable that runs op once, a check, S in bytes) on numpy buffers. As in collectives._make_op the timed
     callable only communicates; the check poisons the output, runs once more and compares every element with
     opspec's expected output. all_reduce runs out of place (MPI's usual form), broadcast in place."""
     rank, n = comm.Get_rank(), comm.Get_size()
     n_in, n_out, size_b = opspec.counts(op, nbytes, n)
-    x = np.full(n_in, opspec.input_value(op, rank, n), np.float32)
+    x = plain_array(np, n_in)
+    x.fill(opspec.input_value(op, rank, n))
     if op == "broadcast":
         def run():
             comm.Bcast(x, root=opspec.ROOT)
@@ -74,7 +86,7 @@ def make_op(op: str, nbytes: int, comm, MPI, np):
             run()
             return opspec.output_ok(op, rank, n, x)
         return run, check, size_b
-    out = np.empty(n_out, np.float32)
+    out = plain_array(np, n_out)
     if op == "all_reduce":
         run = lambda: comm.Allreduce(x, out, op=MPI.SUM)  # noqa: E731
     elif op == "all_gather":
