@@ -151,7 +151,7 @@ int main(int argc, char **argv) {
       wrong_total += wrong_all;
       if (rank == 0) {
         double algbw = (double)real / slowest / 1e9;
-        printf("  %12zu %12zu %6s %5s | %-4s %10.2f %8.3f %8.3f %6lld\n", real, count, "float",
+        printf("  %12zu %12zu %6s %5s | %-4s %10.3f %8.3f %8.3f %6lld\n", real, count, "float",
                op_reduces(op) ? "sum" : "-", "mpi", slowest * 1e6, algbw,
                algbw * bus_factor(op, n), wrong_all);
         fflush(stdout);

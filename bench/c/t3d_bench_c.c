@@ -298,7 +298,7 @@ static int rank_main(const opts_t *o, int rank, const fstore_t *fs, shared_t *sh
         for (int t = 0; t < 2; t++) {
           if (comms[t] == NULL) continue;
           double algbw = (double)real / tm[t] / 1e9;
-          printf(" | %-4s %10.2f %8.3f %8.3f %6lld", t == 0 ? "auto" : "ucx", tm[t] * 1e6, algbw,
+          printf(" | %-4s %10.3f %8.3f %8.3f %6lld", t == 0 ? "auto" : "ucx", tm[t] * 1e6, algbw,
                  algbw * bus_factor(op, n), wr[t]);
         }
         printf("\n");

@@ -89,7 +89,7 @@ t3d_result_t t3d__exec_check(t3d_exec_t *ex, const char *waiting_for) {
   t3d_comm_t *c = ex->comm;
   t3d_result_t res = T3D_OK;
   if (atomic_load(&c->aborted)) res = T3D_ERR_ABORTED;
-  else if (t3d__now_ns() > ex->deadline_ns) res = T3D_ERR_TIMEOUT;
+  else if (t3d__now_ns() > t3d__exec_deadline(ex)) res = T3D_ERR_TIMEOUT;
   if (res != T3D_OK) {
     snprintf(ex->error, sizeof ex->error,
              "t3d: %s #%llu on group '%s' (rank %d of %d) %s (timeout %lld ms); still waiting for %s", ex->opname,

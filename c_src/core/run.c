@@ -155,8 +155,7 @@ void t3d__exec_init(t3d_comm_t *comm, t3d_request_t *r, t3d_exec_t *ex) {
   ex->seq = r->seq;
   ex->fp = fingerprint(r->kind, r->dtype, r->op, r->root);
   ex->timeout_ms = r->timeout_ms;
-  ex->start_ns = t3d__now_ns();
-  ex->deadline_ns = r->resume ? r->deadline_ns : ex->start_ns + (uint64_t)r->timeout_ms * 1000000ull;
+  ex->deadline_ns = r->resume ? r->deadline_ns : 0; /* t3d__exec_deadline reads the clock when first asked */
 }
 
 /* Every provider that keeps state its peers wait on (a segment) learns that the communicator broke. */
@@ -208,6 +207,7 @@ void t3d__run_collective(t3d_comm_t *comm, t3d_request_t *r, int release) {
   }
   t3d_exec_t ex;
   t3d__exec_init(comm, r, &ex);
+  t3d__exec_deadline(&ex); /* from its start on this thread */
   t3d__end_collective(comm, r, &ex, t3d__execute(&ex, r), release, 0);
 }
 

@@ -364,7 +364,7 @@ static t3d_result_t cudev_run(t3d_exec_t *ex, t3d_request_t *r, t3d_result_t (*h
   }
   /* In stream order after everything the caller queued before it: the input as the device has it then. */
   res = copy(api, l.in_to_out ? buf + out_at : buf, l.src, l.in, 0, r->stream, why, sizeof why);
-  if (res == T3D_OK && l.in > 0) res = wait_stream(comm, api, r->stream, ex->deadline_ns, why, sizeof why);
+  if (res == T3D_OK && l.in > 0) res = wait_stream(comm, api, r->stream, t3d__exec_deadline(ex), why, sizeof why);
   if (res != T3D_OK) goto out;
 
   t3d_request_t h;
@@ -394,7 +394,7 @@ static t3d_result_t cudev_run(t3d_exec_t *ex, t3d_request_t *r, t3d_result_t (*h
   res = copy_back(api, r, &l, ex->size, buf + out_at, why, sizeof why);
   /* Done only when the copy back has finished: the staging buffer is reused next, and the request's completion
    * tells the shim that the stream holds the result. */
-  if (res == T3D_OK) res = wait_stream(comm, api, r->stream, ex->deadline_ns, why, sizeof why);
+  if (res == T3D_OK) res = wait_stream(comm, api, r->stream, t3d__exec_deadline(ex), why, sizeof why);
 out:
   if (res != T3D_OK) {
     snprintf(ex->error, sizeof ex->error, "t3d: %s #%llu on group '%s' (rank %d of %d, CUDA device %d, %s): %s",

@@ -393,7 +393,7 @@ static t3d_result_t wait_peers(t3d_exec_t *ex, t3d_cudev_ipc_t *s, const t3d_cud
     char what[48];
     snprintf(what, sizeof what, "rank %d's device work", p);
     t3d_result_t res = t3d__cudev_poll(ex->comm, api, api->EventQuery, events[p], "cudaEventQuery", what,
-                                       ex->deadline_ns, err, errlen);
+                                       t3d__exec_deadline(ex), err, errlen);
     if (res != T3D_OK) return res;
   }
   return T3D_OK;

@@ -128,7 +128,7 @@ static t3d_result_t shm_start(t3d_exec_t *ex, t3d_request_t *r) {
   }
   /* Peers that issue at about the same time arrive within microseconds; later ones are the progress thread's
    * business, so that the call stays non-blocking. */
-  t3d_result_t res = t3d__shm_start_wait(ex, &r->rs, who, ex->start_ns + ex->comm->inline_wait_ns);
+  t3d_result_t res = t3d__shm_start_wait(ex, &r->rs, who, ex->comm->inline_wait_ns);
   if (res == T3D_IN_PROGRESS) r->resume = 1;
   if (res != T3D_OK) return res;
   return shm_finish(ex, r);

@@ -166,9 +166,10 @@ t3d_result_t t3d__shm_alltoallv(t3d_exec_t *ex, const void *sendbuf, const size_
                                 void *recvbuf, const size_t *rcounts, const size_t *rdispls, size_t es, int equal);
 t3d_result_t t3d__shm_barrier(t3d_exec_t *ex);
 /* Collectives a caller starts on its own thread, in parts: start publishes what this rank contributes and never
- * waits; start_wait waits until rank `who` (-1: every other rank) has published (T3D_OK), until `until`
- * (t3d__now_ns; then T3D_IN_PROGRESS) or an error (abort, deadline); finish waits for the rest and completes. Between start and finish no other operation may
- * run on the communicator. They take the same steps as the queued versions, so ranks may take either path.
+ * waits; start_wait waits until rank `who` (-1: every other rank) has published (T3D_OK), for about `limit_ns`
+ * (then T3D_IN_PROGRESS) or until an error (abort, deadline); finish waits for the rest and completes. Between start
+ * and finish no other operation may run on the communicator. They take the same steps as the queued versions, so
+ * ranks may take either path.
  *   allreduce: oneshot_*, when oneshot_fits says the size qualifies and the half is free; who = -1.
  *   broadcast: bcast_*, when bcast_fits (one half; the root needs it free); the root is done after start; the
  *              others wait for who = root.
@@ -182,7 +183,7 @@ t3d_result_t t3d__shm_barrier(t3d_exec_t *ex);
  *              (equal: from t3d_alltoall) in the single-copy range; the next half must be free) and the receive
  *              blocks do not overlap the send blocks; who = -1. Finish runs any further steps that peers with
  *              larger blocks need, or, for single copy, waits until every peer has read this rank's blocks. */
-t3d_result_t t3d__shm_start_wait(t3d_exec_t *ex, const t3d_shm_resume_t *rs, int who, uint64_t until);
+t3d_result_t t3d__shm_start_wait(t3d_exec_t *ex, const t3d_shm_resume_t *rs, int who, uint64_t limit_ns);
 int t3d__shm_oneshot_fits(t3d_shm_t *shm, size_t bytes);
 /* Asks for ownership of the lines a one-shot allreduce of `bytes` will write next, so that the transfer from the
  * peer that read them last overlaps the call's set-up (a hint: it changes nothing). */
@@ -326,9 +327,10 @@ void t3d__shm_backoff(t3d_shm_t *s, t3d_backoff_t *b, int p, uint64_t target, ui
 /* With as many ranks as cores (cpu_aware): notes this rank's CPU and says whether some other rank shows another
  * one (it runs there now, unless preempted since: then the cost is one short spin). 0 otherwise. */
 int t3d__shm_peer_running(t3d_shm_t *s);
-/* Waits until rank `who` (-1: every other rank) has reached phase `target`; with `until` (t3d__now_ns, 0: none)
- * gives up then with T3D_IN_PROGRESS. */
-t3d_result_t t3d__shm_wait_until(t3d_shm_t *s, t3d_exec_t *ex, int who, uint64_t target, uint64_t until);
+/* Waits until rank `who` (-1: every other rank) has reached phase `target`; with `limit_ns` (0: none) gives up with
+ * T3D_IN_PROGRESS after about that long. The first few polls do not read the clock (sync.c, QUICK_POLLS), so the
+ * limit counts from the first that does. */
+t3d_result_t t3d__shm_wait_until(t3d_shm_t *s, t3d_exec_t *ex, int who, uint64_t target, uint64_t limit_ns);
 static inline t3d_result_t t3d__shm_wait(t3d_shm_t *s, t3d_exec_t *ex, int who, uint64_t target) {
   return t3d__shm_wait_until(s, ex, who, target, 0);
 }
@@ -339,7 +341,7 @@ typedef struct t3d_shm_arrival {
   uint64_t word;
 } t3d_shm_arrival_t;
 /* t3d__shm_wait_until, where a rank also counts as there once it shows so as `a` says (NULL: flags only). */
-t3d_result_t t3d__shm_wait_line(t3d_shm_t *s, t3d_exec_t *ex, int who, uint64_t target, uint64_t until,
+t3d_result_t t3d__shm_wait_line(t3d_shm_t *s, t3d_exec_t *ex, int who, uint64_t target, uint64_t limit_ns,
                                 const t3d_shm_arrival_t *a);
 /* Calls fn for every other rank as soon as it reaches `target` (ranks after this one first), or shows so as `a`
  * says (NULL: flags only). */

@@ -72,7 +72,7 @@ t3d_result_t t3d__waitall(t3d_exec_t *ex, t3d_xfer_t *xs, int n) {
     else if (lost >= 0 && lost_for_good(c, &lost_since)) res = T3D_ERR_PEER_LOST, lost_rank = lost;
     else {
       uint64_t now = t3d__now_ns();
-      if (now > ex->deadline_ns) res = T3D_ERR_TIMEOUT;
+      if (now > t3d__exec_deadline(ex)) res = T3D_ERR_TIMEOUT;
       else if (look_at == 0) look_at = now + T3D__DESYNC_LOOK_MS * 1000000ull;
       else if (now >= look_at) {
         look_at = now + T3D__DESYNC_LOOK_MS * 1000000ull;
