@@ -53,6 +53,15 @@ static size_t gather_total(int n, const size_t *counts, size_t es, size_t *maxb)
  * line. Every rank knows every block's size, so all decide alike. */
 static int gather_inline(size_t maxb) { return maxb <= T3D_SHM_INLINE_DATA; }
 
+/* Bytes of the output the blocks span. */
+static size_t gather_extent(int n, const size_t *counts, const size_t *displs, size_t es) {
+  size_t extent = 0;
+  for (int p = 0; p < n; p++) {
+    if ((displs[p] + counts[p]) * es > extent) extent = (displs[p] + counts[p]) * es;
+  }
+  return extent;
+}
+
 /* In place (sendbuf NULL, equal to recvbuf, or already our block): the block is where it belongs. */
 static char *gather_own(t3d_shm_t *s, const void *sendbuf, void *recvbuf, size_t mine, size_t displ) {
   char *own = (char *)recvbuf + displ;
@@ -104,11 +113,9 @@ static gather_ctx_t gather_ctx(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step_
 static t3d_result_t gather_direct_publish(t3d_shm_t *s, t3d_exec_t *ex, t3d_shm_step_t *st, const void *sendbuf,
                                           void *recvbuf, const size_t *counts, const size_t *displs, size_t es,
                                           size_t total) {
-  size_t mine = counts[s->rank] * es, extent = 0;
-  for (int p = 0; p < s->size; p++) {
-    if ((displs[p] + counts[p]) * es > extent) extent = (displs[p] + counts[p]) * es;
-  }
-  int apart = sendbuf != NULL && sendbuf != recvbuf && !t3d__overlap(sendbuf, mine, recvbuf, extent);
+  size_t mine = counts[s->rank] * es;
+  int apart = sendbuf != NULL && sendbuf != recvbuf &&
+              !t3d__overlap(sendbuf, mine, recvbuf, gather_extent(s->size, counts, displs, es));
   const char *src = apart ? sendbuf : gather_own(s, sendbuf, recvbuf, mine, displs[s->rank] * es);
   t3d__shm_step_begin(s, 2, st);
   T3D_CHECK(t3d__shm_step_acquire(s, ex, st));
@@ -145,7 +152,12 @@ t3d_result_t t3d__shm_allgatherv(t3d_exec_t *ex, const void *sendbuf, void *recv
     T3D_CHECK(gather_direct_publish(s, ex, &st, sendbuf, recvbuf, bytes, displs_bytes, 1, total));
     return gather_direct_collect(s, ex, &st, recvbuf, bytes, displs_bytes, 1, total);
   }
-  const char *own = gather_own(s, sendbuf, recvbuf, mine, displs_bytes[s->rank]);
+  /* An input apart from the output goes into place a step at a time, right after the step's piece went into the
+   * half, while it is still in the caches: read from memory once instead of twice (moved first, then published). */
+  char *place = (char *)recvbuf + displs_bytes[s->rank];
+  int apart = sendbuf != NULL && sendbuf != recvbuf && mine > 0 &&
+              !t3d__overlap(sendbuf, mine, recvbuf, gather_extent(s->size, bytes, displs_bytes, 1));
+  const char *own = apart ? sendbuf : gather_own(s, sendbuf, recvbuf, mine, displs_bytes[s->rank]);
   int far;
   T3D_CHECK(t3d__shm_far(s, ex, t3d__shm_probes(s, total), &far));
   for (size_t lo = 0; lo < maxb; lo += s->half) {
@@ -153,6 +165,7 @@ t3d_result_t t3d__shm_allgatherv(t3d_exec_t *ex, const void *sendbuf, void *recv
     t3d__shm_step_begin(s, 2, &st);
     T3D_CHECK(gather_publish(s, ex, &st, own, mine, lo, total, gather_inline(maxb), far));
     gather_ctx_t c = gather_ctx(s, ex, &st, recvbuf, bytes, displs_bytes, 1, lo, total, gather_inline(maxb));
+    if (apart && lo < mine) t3d__shm_copy(place + lo, own + lo, t3d__shm_min_sz(s->half, mine - lo), c.nt);
     T3D_CHECK(gather_collect(&c));
   }
   return T3D_OK;

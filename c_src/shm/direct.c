@@ -79,14 +79,15 @@ int t3d__shm_cma_read(int self_pid, int pid, void *dst, uint64_t addr, size_t le
 
 /* Rank 0's choice of the single-copy ranges for the group (cma: every rank can read the others' memory).
  * T3D_SHM_DIRECT_BYTES / T3D_SHM_DIRECT_MAX_BYTES, when set, give both ranges. Otherwise: blocks of 16 KiB to
- * 8 MiB when each rank has a core (2 ranks: 32-64 KiB allgather and alltoall 2x faster than through the segment,
- * 4 KiB blocks even). With more ranks than cores, where copies are not what bounds a collective,
- * allgather keeps the segment (8 ranks on 2 cores: up to 1.5x slower with single copy, since each block is read by
- * n - 1 readers from the owner's process instead of from the cached segment). alltoall reads each block once, and
- * single copy halves its bytes: it wins there from 32 KiB blocks for as long as all n * n blocks together stay
- * within 32 MiB, past which the kernel's copy (no non-temporal stores) loses (measured, oversubscribed 2 cores:
- * 8 ranks 1.4-1.5x faster for 32-512 KiB blocks, even at 1 MiB, slower at 2 MiB; 4 ranks faster up to 2 MiB; and
- * 2 ranks with a core each lose past 8 MiB: the same 32 MiB). docs/architecture.md, "Single copy". */
+ * 4 MiB when each rank has a core (2 ranks: 32-64 KiB allgather and alltoall 2x faster than through the segment,
+ * 4 KiB blocks even; 8 MiB blocks 1.2-1.8x slower than the segment's two copies, the kernel's copy moving 5-7 GB/s
+ * here: docs/benchmarks/allgather-place-2ranks.txt). With more ranks than cores, where copies are
+ * not what bounds a collective, allgather keeps the segment (8 ranks on 2 cores: up to 1.5x slower with single
+ * copy, since each block is read by n - 1 readers from the owner's process instead of from the cached segment).
+ * alltoall reads each block once, and single copy halves its bytes: it wins there from 32 KiB blocks for as long as
+ * all n * n blocks together stay within 32 MiB, past which the kernel's copy (no non-temporal stores) loses
+ * (measured, oversubscribed 2 cores: 8 ranks 1.4-1.5x faster for 32-512 KiB blocks, even at 1 MiB, slower at
+ * 2 MiB; 4 ranks faster up to 2 MiB). docs/architecture.md, "Single copy". */
 void t3d__shm_direct_ranges(t3d_shm_t *s, int n, int cma) {
   int64_t lo = t3d__param_int(T3D_PARAM_SHM_DIRECT_BYTES);
   int64_t hi = t3d__param_int(T3D_PARAM_SHM_DIRECT_MAX_BYTES);

@@ -420,14 +420,14 @@ size_t Count(const std::string &text, const std::string &what) {
 // point-to-point over shared memory and single-copy collectives (both need cross-memory attach between processes).
 TEST(Fork, CleanRunOverFileStore) {
   const std::string logs = CleanRunLogs(false);
-  const char *want = "point-to-point over shared memory, single copy for allgather blocks of 65536 to 8388608 bytes "
-                     "and alltoall blocks of 65536 to 8388608";
+  const char *want = "point-to-point over shared memory, single copy for allgather blocks of 65536 to 4194304 bytes "
+                     "and alltoall blocks of 65536 to 4194304";
   EXPECT_EQ(Count(logs, want), static_cast<size_t>(kWorld))
       << "every rank should log that it runs point-to-point over shared memory and single-copy collectives; logs:\n"
       << logs;
 }
 
-// Without T3D_SHM_DIRECT_BYTES the ranges follow the cores: with a core per rank, blocks of 16 KiB to 8 MiB for
+// Without T3D_SHM_DIRECT_BYTES the ranges follow the cores: with a core per rank, blocks of 16 KiB to 4 MiB for
 // both; with more ranks than cores, none for allgather and, for alltoall, 32 KiB up to where all n * n blocks
 // together reach 32 MiB (docs/architecture.md, "Single copy"). The run's alltoall blocks (400 kB) are in range
 // either way.
@@ -438,8 +438,8 @@ TEST(Fork, DefaultSingleCopyRangesFollowTheCores) {
   const std::string want = kWorld > cpus
       ? "single copy for allgather blocks of 0 to 0 bytes and alltoall blocks of 32768 to " +
             std::to_string((32u << 20) / (kWorld * kWorld)) + " "
-      : std::string("single copy for allgather blocks of 16384 to 8388608 bytes and alltoall blocks of 16384 to "
-                    "8388608 ");
+      : std::string("single copy for allgather blocks of 16384 to 4194304 bytes and alltoall blocks of 16384 to "
+                    "4194304 ");
   const std::string logs = CleanRunLogs(true);
   EXPECT_EQ(Count(logs, want), static_cast<size_t>(kWorld))
       << kWorld << " ranks on " << cpus << " cores: every rank should log '" << want << "'; logs:\n" << logs;
