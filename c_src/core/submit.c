@@ -57,6 +57,7 @@ static t3d_result_t finish_unkept(t3d_comm_t *comm, t3d_exec_t *ex, t3d_request_
 static t3d_result_t start_inline(t3d_comm_t *comm, t3d_request_t *r, int kept, int whole, t3d_request_t **out) {
   t3d_exec_t ex;
   t3d__exec_init(comm, r, &ex);
+  if (whole) t3d__exec_deadline(&ex); /* a large operation: its phases (core/hier.c) copy the deadline */
   t3d_result_t res = whole ? t3d__execute(&ex, r) : r->prov->start(&ex, r);
   if (res == T3D_IN_PROGRESS) r->deadline_ns = t3d__exec_deadline(&ex); /* the thread that goes on keeps it */
   if (res == T3D_IN_PROGRESS && (r->flags & T3D_FLAG_BLOCKING)) res = t3d__execute(&ex, r); /* r->resume is set */
