@@ -161,7 +161,8 @@ typedef struct t3d_exec {
 /* The operation's deadline: its timeout from the first time anything asks (a wait that has to back off, a
  * timeout check), not from its start. A small collective whose peers are there when it waits never reads the
  * clock, which costs 23 ns a read on this project's machines, a tenth of such a call. The queued path asks at
- * once (core/run.c); an inline start asks at the latest when it hands the request on (core/submit.c). */
+ * once (core/run.c), and so does a blocking call's whole collective; an inline start asks at the latest when it
+ * hands the request on (core/submit.c). */
 static inline uint64_t t3d__exec_deadline(t3d_exec_t *ex) {
   if (ex->deadline_ns == 0) ex->deadline_ns = t3d__now_ns() + (uint64_t)ex->timeout_ms * 1000000ull;
   return ex->deadline_ns;

@@ -62,6 +62,14 @@ static size_t gather_extent(int n, const size_t *counts, const size_t *displs, s
   return extent;
 }
 
+/* An input of `mine` bytes that shares no byte with the output (the blocks' extent): it can be read where it is
+ * while the output is written. */
+static int gather_apart(int n, const void *sendbuf, void *recvbuf, size_t mine, const size_t *counts,
+                        const size_t *displs, size_t es) {
+  if (sendbuf == NULL || sendbuf == recvbuf) return 0;
+  return !t3d__overlap(sendbuf, mine, recvbuf, gather_extent(n, counts, displs, es));
+}
+
 /* In place (sendbuf NULL, equal to recvbuf, or already our block): the block is where it belongs. */
 static char *gather_own(t3d_shm_t *s, const void *sendbuf, void *recvbuf, size_t mine, size_t displ) {
   char *own = (char *)recvbuf + displ;
@@ -114,8 +122,7 @@ static t3d_result_t gather_direct_publish(t3d_shm_t *s, t3d_exec_t *ex, t3d_shm_
                                           void *recvbuf, const size_t *counts, const size_t *displs, size_t es,
                                           size_t total) {
   size_t mine = counts[s->rank] * es;
-  int apart = sendbuf != NULL && sendbuf != recvbuf &&
-              !t3d__overlap(sendbuf, mine, recvbuf, gather_extent(s->size, counts, displs, es));
+  int apart = gather_apart(s->size, sendbuf, recvbuf, mine, counts, displs, es);
   const char *src = apart ? sendbuf : gather_own(s, sendbuf, recvbuf, mine, displs[s->rank] * es);
   t3d__shm_step_begin(s, 2, st);
   T3D_CHECK(t3d__shm_step_acquire(s, ex, st));
@@ -155,8 +162,7 @@ t3d_result_t t3d__shm_allgatherv(t3d_exec_t *ex, const void *sendbuf, void *recv
   /* An input apart from the output goes into place a step at a time, right after the step's piece went into the
    * half, while it is still in the caches: read from memory once instead of twice (moved first, then published). */
   char *place = (char *)recvbuf + displs_bytes[s->rank];
-  int apart = sendbuf != NULL && sendbuf != recvbuf && mine > 0 &&
-              !t3d__overlap(sendbuf, mine, recvbuf, gather_extent(s->size, bytes, displs_bytes, 1));
+  int apart = mine > 0 && gather_apart(s->size, sendbuf, recvbuf, mine, bytes, displs_bytes, 1);
   const char *own = apart ? sendbuf : gather_own(s, sendbuf, recvbuf, mine, displs_bytes[s->rank]);
   int far;
   T3D_CHECK(t3d__shm_far(s, ex, t3d__shm_probes(s, total), &far));

@@ -83,12 +83,17 @@ void t3d__shm_sleep(t3d_shm_t *s, int p, uint64_t target, uint64_t max_ns) {
   t3d__shm_note_cpu(s);
 }
 
+/* cpu_aware: rank p shows a CPU other than this rank's (it runs there now, unless preempted since). */
+static int runs_elsewhere(t3d_shm_t *s, int p) {
+  uint32_t cpu = atomic_load_explicit(t3d__shm_cpu(s, p), memory_order_relaxed);
+  return cpu != 0 && cpu != (uint32_t)sched_getcpu() + 1u;
+}
+
 void t3d__shm_backoff(t3d_shm_t *s, t3d_backoff_t *b, int p, uint64_t target, uint64_t until) {
   int running = 0;
   if (s->cpu_aware) {
     if (b->since == 0) t3d__shm_note_cpu(s); /* starting to wait: this rank runs here now */
-    uint32_t cpu = atomic_load_explicit(t3d__shm_cpu(s, p), memory_order_relaxed);
-    running = cpu != 0 && cpu != (uint32_t)sched_getcpu() + 1u;
+    running = runs_elsewhere(s, p);
   }
   /* A rank waiting here may hold up point-to-point that only this process can move: its own sends queued behind a
    * full ring, and the slots of peers' rings that only its scan frees. */
@@ -219,11 +224,7 @@ t3d_result_t t3d__shm_wait_until(t3d_shm_t *s, t3d_exec_t *ex, int who, uint64_t
 enum { QUICK_POLLS = 32 };
 
 /* Whether a waiter for rank p may spin now rather than give up its core (as t3d__shm_backoff decides). */
-static int may_spin(t3d_shm_t *s, int p) {
-  if (!s->cpu_aware) return !t3d__cores_filled();
-  uint32_t cpu = atomic_load_explicit(t3d__shm_cpu(s, p), memory_order_relaxed);
-  return cpu != 0 && cpu != (uint32_t)sched_getcpu() + 1u;
-}
+static int may_spin(t3d_shm_t *s, int p) { return s->cpu_aware ? runs_elsewhere(s, p) : !t3d__cores_filled(); }
 
 /* The first polls of a wait for ranks [*next, hi), without the clock: moves *next past those that arrive; 1 when
  * all have. Peers that are not running elsewhere are not spun for. */
