@@ -30,7 +30,8 @@ struct t3d_hier {
   int *members;      /* members[j * local->size + i]: the rank with local index i on host j */
   int consecutive;   /* every host's ranks are numbered one after the other */
   uint64_t local_seq;
-  void *scratch; /* this rank's block between the levels; grows, never shrinks */
+  void *scratch; /* allreduce: this rank's block between the levels when the output overlaps the input other than
+                  * in place; reduce_scatter: the lane's slots. Grows, never shrinks */
   size_t scratch_bytes;
 };
 
@@ -173,14 +174,22 @@ static t3d_result_t hier_allreduce_piece(t3d_exec_t *ex, const void *sendbuf, vo
     displs[c] = offs[c] * es;
   }
   t3d_result_t res = T3D_OK;
-  if (!grow_scratch(h, bytes[me] + 1)) {
-    free(arr);
-    return T3D_ERR_NO_MEMORY;
+  /* This rank's block goes through the levels in its place in recvbuf: the allgather then finds it there and
+   * copies only the other ranks' blocks. The shared-memory reduce-scatter may write its output over the input's own
+   * block (in place) or apart from the input; any other overlap goes through the scratch block. */
+  char *own = (char *)recvbuf + displs[me];
+  size_t total = count * es;
+  if (sendbuf != recvbuf && (const char *)sendbuf < own + bytes[me] && own < (const char *)sendbuf + total) {
+    if (!grow_scratch(h, bytes[me] + 1)) {
+      free(arr);
+      return T3D_ERR_NO_MEMORY;
+    }
+    own = h->scratch;
   }
   const t3d_coll_ops_t *shm = t3d__provider_shm.coll, *ucx = t3d__provider_ucx.coll;
   t3d_exec_t lex;
   local_exec(ex, h, T3D_OP_REDUCE_SCATTERV, &lex);
-  res = shm->reduce_scatterv(&lex, sendbuf, h->scratch, counts, dt, op);
+  res = shm->reduce_scatterv(&lex, sendbuf, own, counts, dt, op);
   if (res != T3D_OK) {
     res = failed(ex, h, &lex, res);
     goto out;
@@ -192,13 +201,13 @@ static t3d_result_t hier_allreduce_piece(t3d_exec_t *ex, const void *sendbuf, vo
   xex->rank = h->host;
   xex->size = h->hosts;
   xex->peers = h->lane;
-  res = ucx->allreduce(xex, h->scratch, h->scratch, counts[me], dt, op);
+  res = ucx->allreduce(xex, own, own, counts[me], dt, op);
   if (res != T3D_OK) {
     res = failed(ex, h, xex, res);
     goto out;
   }
   local_exec(ex, h, T3D_OP_ALLGATHERV, &lex);
-  res = shm->allgatherv(&lex, h->scratch, recvbuf, bytes, displs);
+  res = shm->allgatherv(&lex, own, recvbuf, bytes, displs);
   if (res != T3D_OK) res = failed(ex, h, &lex, res);
 out:
   free(arr);

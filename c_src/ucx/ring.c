@@ -82,6 +82,11 @@ t3d_result_t t3d__ring_reduce_scatter(t3d_exec_t *ex, const void *sendbuf, void 
   char *bufs[2] = {scratch, scratch + maxc * es};
   int right = (r + 1) % n, left = (r + n - 1) % n;
   t3d_result_t res = T3D_OK;
+  /* Output over the input's own block (in place) and an operation whose operands commute bitwise: the last step
+   * folds the partial result into the output, which the input's own block already holds, instead of folding the
+   * own block into the partial result and copying that out. The own block is read only at the last step. */
+  int fold_out = counts[r] > 0 && out == sb + offs[r] * es &&
+                 (op == T3D_SUM || op == T3D_BAND || op == T3D_BOR || op == T3D_BXOR);
   /* At step s this rank forwards block r-s-1 (the one it finished reducing at step s-1, or its own input at step
    * 0) and receives block r-s-2; after size-1 steps the block received last is block r, reduced over all ranks. */
   for (int s = 0; s < n - 1; s++) {
@@ -91,9 +96,10 @@ t3d_result_t t3d__ring_reduce_scatter(t3d_exec_t *ex, const void *sendbuf, void 
     T3D_CHECK_GOTO(t3d__algo_xchg(ex, step0 + (uint32_t)s, right, sptr, counts[sc] * es, left, rptr,
                                   counts[rc] * es),
                    res, out_free);
-    t3d__reduce(rptr, sb + offs[rc] * es, counts[rc], dt, op);
+    if (s == n - 2 && fold_out) t3d__reduce(out, rptr, counts[rc], dt, op);
+    else t3d__reduce(rptr, sb + offs[rc] * es, counts[rc], dt, op);
   }
-  if (counts[r] > 0) memcpy(out, bufs[(n - 2) & 1], counts[r] * es);
+  if (counts[r] > 0 && !fold_out) memcpy(out, bufs[(n - 2) & 1], counts[r] * es);
 out_free:
   free(scratch);
   return res;
