@@ -1,6 +1,6 @@
 /* copy.c: the data movers of the shared-memory collectives: copies with optional non-temporal stores and an
- * n-source reduction (one pass over all sources; AVX-512 for float32 / float64 sum, tiles through t3d__reduce for
- * the rest). Chosen at run time from what the CPU has. */
+ * n-source reduction (one pass over all sources; AVX-512 or AVX for float32 / float64 sum, tiles through
+ * t3d__reduce for the rest). Chosen at run time from what the CPU has. */
 #include "shm.h"
 
 #include <string.h>
@@ -18,9 +18,10 @@ static int isa(void) {
   if (v >= 0) return v;
   v = ISA_NONE;
 #ifdef T3D_SHM_X86
+  int64_t bits = t3d__param_int(T3D_PARAM_SHM_SIMD); /* tests run the narrower paths on wider CPUs */
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f")) v = ISA_AVX512;
-  else if (__builtin_cpu_supports("avx")) v = ISA_AVX;
+  if (bits >= 512 && __builtin_cpu_supports("avx512f")) v = ISA_AVX512;
+  else if (bits >= 256 && __builtin_cpu_supports("avx")) v = ISA_AVX;
 #endif
   __atomic_store_n(&cached, v, __ATOMIC_RELAXED);
   return v;
@@ -115,9 +116,8 @@ void t3d_copy_stream(void *dst, const void *src, size_t bytes) {
 #ifdef T3D_SHM_X86
 /* Sums element by element in source order; the scalar tail adds in the same order, so the result does not depend
  * on where a vector block starts (every rank gets the same bits). */
-#define DEFINE_SUM_AVX512(NAME, T, V, LOAD, ADD, STORE, STREAM, LANES)                                        \
-  __attribute__((target("avx512f"))) static void NAME(T *d, T *d2, const T *const *s, int ns, size_t n,         \
-                                                      int nt) {                                                \
+#define DEFINE_SUM(NAME, TARGET, T, V, LOAD, ADD, STORE, STREAM, LANES)                                       \
+  __attribute__((target(TARGET))) static void NAME(T *d, T *d2, const T *const *s, int ns, size_t n, int nt) {  \
     size_t i = 0;                                                                                              \
     /* The non-temporal destination needs 64-byte alignment: reach it with scalar elements first. */           \
     if (d2 != NULL && nt) {                                                                                    \
@@ -168,10 +168,13 @@ void t3d_copy_stream(void *dst, const void *src, size_t bytes) {
     if (d2 != NULL && nt) _mm_sfence();                                                                        \
   }
 
-DEFINE_SUM_AVX512(sum_f32_avx512, float, __m512, _mm512_loadu_ps, _mm512_add_ps, _mm512_storeu_ps,
-                  _mm512_stream_ps, 16)
-DEFINE_SUM_AVX512(sum_f64_avx512, double, __m512d, _mm512_loadu_pd, _mm512_add_pd, _mm512_storeu_pd,
-                  _mm512_stream_pd, 8)
+DEFINE_SUM(sum_f32_avx512, "avx512f", float, __m512, _mm512_loadu_ps, _mm512_add_ps, _mm512_storeu_ps,
+           _mm512_stream_ps, 16)
+DEFINE_SUM(sum_f64_avx512, "avx512f", double, __m512d, _mm512_loadu_pd, _mm512_add_pd, _mm512_storeu_pd,
+           _mm512_stream_pd, 8)
+DEFINE_SUM(sum_f32_avx, "avx", float, __m256, _mm256_loadu_ps, _mm256_add_ps, _mm256_storeu_ps, _mm256_stream_ps, 8)
+DEFINE_SUM(sum_f64_avx, "avx", double, __m256d, _mm256_loadu_pd, _mm256_add_pd, _mm256_storeu_pd, _mm256_stream_pd,
+           4)
 #endif
 
 /* A tile small enough for L1: every source is read once per tile and the destinations written from it, so a
@@ -206,15 +209,13 @@ void t3d__shm_reduce_n(void *dst, void *dst2, const void *const *src, int nsrc, 
     return;
   }
 #ifdef T3D_SHM_X86
-  if (op == T3D_SUM && isa() == ISA_AVX512) {
-    if (dt == T3D_FLOAT32) {
-      sum_f32_avx512(dst, dst2, (const float *const *)src, nsrc, n, nt2);
-      return;
-    }
-    if (dt == T3D_FLOAT64) {
-      sum_f64_avx512(dst, dst2, (const double *const *)src, nsrc, n, nt2);
-      return;
-    }
+  int v = isa();
+  if (op == T3D_SUM && v != ISA_NONE && (dt == T3D_FLOAT32 || dt == T3D_FLOAT64)) {
+    if (dt == T3D_FLOAT32)
+      (v == ISA_AVX512 ? sum_f32_avx512 : sum_f32_avx)(dst, dst2, (const float *const *)src, nsrc, n, nt2);
+    else
+      (v == ISA_AVX512 ? sum_f64_avx512 : sum_f64_avx)(dst, dst2, (const double *const *)src, nsrc, n, nt2);
+    return;
   }
 #endif
   reduce_tiled(dst, dst2, src, nsrc, n, dt, op, nt2);
@@ -224,8 +225,8 @@ void t3d__shm_reduce_n(void *dst, void *dst2, const void *const *src, int nsrc, 
 /* The sum written with non-temporal stores straight to every destination, whose addresses share one alignment (the
  * scalar head reaches a 64-byte boundary for all of them). Measured against reducing into a tile and copying the
  * tile out (2 ranks, 64 MiB allreduce on t3d memory): about 1.3x faster. */
-#define DEFINE_SUM_FANOUT_AVX512(NAME, T, V, LOAD, ADD, STREAM, LANES)                                          \
-  __attribute__((target("avx512f"))) static void NAME(T *const *d, int nd, const T *const *s, int ns, size_t n) { \
+#define DEFINE_SUM_FANOUT(NAME, TARGET, T, V, LOAD, ADD, STREAM, LANES)                                        \
+  __attribute__((target(TARGET))) static void NAME(T *const *d, int nd, const T *const *s, int ns, size_t n) {  \
     size_t i = 0;                                                                                              \
     for (; i < n && ((uintptr_t)(d[0] + i) & 63) != 0; i++) {                                                  \
       T acc = s[0][i];                                                                                         \
@@ -258,8 +259,10 @@ void t3d__shm_reduce_n(void *dst, void *dst2, const void *const *src, int nsrc, 
     _mm_sfence();                                                                                              \
   }
 
-DEFINE_SUM_FANOUT_AVX512(sum_fanout_f32, float, __m512, _mm512_loadu_ps, _mm512_add_ps, _mm512_stream_ps, 16)
-DEFINE_SUM_FANOUT_AVX512(sum_fanout_f64, double, __m512d, _mm512_loadu_pd, _mm512_add_pd, _mm512_stream_pd, 8)
+DEFINE_SUM_FANOUT(fanout_f32_avx512, "avx512f", float, __m512, _mm512_loadu_ps, _mm512_add_ps, _mm512_stream_ps, 16)
+DEFINE_SUM_FANOUT(fanout_f64_avx512, "avx512f", double, __m512d, _mm512_loadu_pd, _mm512_add_pd, _mm512_stream_pd, 8)
+DEFINE_SUM_FANOUT(fanout_f32_avx, "avx", float, __m256, _mm256_loadu_ps, _mm256_add_ps, _mm256_stream_ps, 8)
+DEFINE_SUM_FANOUT(fanout_f64_avx, "avx", double, __m256d, _mm256_loadu_pd, _mm256_add_pd, _mm256_stream_pd, 4)
 #endif
 
 /* Whether every destination sits at the same place within a 64-byte line, on an element boundary. */
@@ -282,9 +285,13 @@ void t3d__shm_reduce_fanout(void *const *dst, int ndst, const void *const *src, 
   size_t es = t3d_dtype_size(dt), per = FANOUT_TILE / es;
   int v = nt ? isa() : ISA_NONE;
 #ifdef T3D_SHM_X86
-  if (v == ISA_AVX512 && op == T3D_SUM && (dt == T3D_FLOAT32 || dt == T3D_FLOAT64) && same_alignment(dst, ndst, es)) {
-    if (dt == T3D_FLOAT32) sum_fanout_f32((float *const *)dst, ndst, (const float *const *)src, nsrc, n);
-    else sum_fanout_f64((double *const *)dst, ndst, (const double *const *)src, nsrc, n);
+  if (v != ISA_NONE && op == T3D_SUM && (dt == T3D_FLOAT32 || dt == T3D_FLOAT64) && same_alignment(dst, ndst, es)) {
+    if (dt == T3D_FLOAT32)
+      (v == ISA_AVX512 ? fanout_f32_avx512 : fanout_f32_avx)((float *const *)dst, ndst, (const float *const *)src,
+                                                               nsrc, n);
+    else
+      (v == ISA_AVX512 ? fanout_f64_avx512 : fanout_f64_avx)((double *const *)dst, ndst, (const double *const *)src,
+                                                               nsrc, n);
     return;
   }
 #endif
