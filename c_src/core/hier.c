@@ -178,8 +178,7 @@ static t3d_result_t hier_allreduce_piece(t3d_exec_t *ex, const void *sendbuf, vo
    * copies only the other ranks' blocks. The shared-memory reduce-scatter may write its output over the input's own
    * block (in place) or apart from the input; any other overlap goes through the scratch block. */
   char *own = (char *)recvbuf + displs[me];
-  size_t total = count * es;
-  if (sendbuf != recvbuf && (const char *)sendbuf < own + bytes[me] && own < (const char *)sendbuf + total) {
+  if (sendbuf != recvbuf && t3d__overlap(sendbuf, count * es, own, bytes[me])) {
     if (!grow_scratch(h, bytes[me] + 1)) {
       free(arr);
       return T3D_ERR_NO_MEMORY;
