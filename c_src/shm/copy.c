@@ -222,11 +222,14 @@ void t3d__shm_reduce_n(void *dst, void *dst2, const void *const *src, int nsrc, 
 }
 
 #ifdef T3D_SHM_X86
-/* The sum written with non-temporal stores straight to every destination, whose addresses share one alignment (the
- * scalar head reaches a 64-byte boundary for all of them). Measured against reducing into a tile and copying the
- * tile out (2 ranks, 64 MiB allreduce on t3d memory): about 1.3x faster. */
-#define DEFINE_SUM_FANOUT(NAME, TARGET, T, V, LOAD, ADD, STREAM, LANES)                                        \
-  __attribute__((target(TARGET))) static void NAME(T *const *d, int nd, const T *const *s, int ns, size_t n) {  \
+/* The sum written straight to every destination, whose addresses share one alignment (the scalar head reaches a
+ * 64-byte boundary for all of them): with non-temporal stores when nt, else plain ones. Measured against reducing
+ * into a tile and copying the tile out (2 ranks, 64 MiB allreduce on t3d memory): about 1.3x faster. Plain stores
+ * are for destinations the caller has just read (in place): there a non-temporal store must first push the line
+ * out of this core's cache (t3d__shm_reduce_fanout's callers). */
+#define DEFINE_SUM_FANOUT(NAME, TARGET, T, V, LOAD, ADD, STORE, STREAM, LANES)                                 \
+  __attribute__((target(TARGET))) static void NAME(T *const *d, int nd, const T *const *s, int ns, size_t n,    \
+                                                   int nt) {                                                   \
     size_t i = 0;                                                                                              \
     for (; i < n && ((uintptr_t)(d[0] + i) & 63) != 0; i++) {                                                  \
       T acc = s[0][i];                                                                                         \
@@ -245,10 +248,17 @@ void t3d__shm_reduce_n(void *dst, void *dst2, const void *const *src, int nsrc, 
       }                                                                                                        \
       for (int q = 0; q < nd; q++) {                                                                           \
         T *y = d[q] + i;                                                                                       \
-        STREAM(y, a0);                                                                                         \
-        STREAM(y + LANES, a1);                                                                                 \
-        STREAM(y + 2 * LANES, a2);                                                                             \
-        STREAM(y + 3 * LANES, a3);                                                                             \
+        if (nt) {                                                                                              \
+          STREAM(y, a0);                                                                                       \
+          STREAM(y + LANES, a1);                                                                               \
+          STREAM(y + 2 * LANES, a2);                                                                           \
+          STREAM(y + 3 * LANES, a3);                                                                           \
+        } else {                                                                                               \
+          STORE(y, a0);                                                                                        \
+          STORE(y + LANES, a1);                                                                                \
+          STORE(y + 2 * LANES, a2);                                                                            \
+          STORE(y + 3 * LANES, a3);                                                                            \
+        }                                                                                                      \
       }                                                                                                        \
     }                                                                                                          \
     for (; i < n; i++) {                                                                                       \
@@ -256,13 +266,17 @@ void t3d__shm_reduce_n(void *dst, void *dst2, const void *const *src, int nsrc, 
       for (int p = 1; p < ns; p++) acc += s[p][i];                                                             \
       for (int q = 0; q < nd; q++) d[q][i] = acc;                                                              \
     }                                                                                                          \
-    _mm_sfence();                                                                                              \
+    if (nt) _mm_sfence();                                                                                      \
   }
 
-DEFINE_SUM_FANOUT(fanout_f32_avx512, "avx512f", float, __m512, _mm512_loadu_ps, _mm512_add_ps, _mm512_stream_ps, 16)
-DEFINE_SUM_FANOUT(fanout_f64_avx512, "avx512f", double, __m512d, _mm512_loadu_pd, _mm512_add_pd, _mm512_stream_pd, 8)
-DEFINE_SUM_FANOUT(fanout_f32_avx, "avx", float, __m256, _mm256_loadu_ps, _mm256_add_ps, _mm256_stream_ps, 8)
-DEFINE_SUM_FANOUT(fanout_f64_avx, "avx", double, __m256d, _mm256_loadu_pd, _mm256_add_pd, _mm256_stream_pd, 4)
+DEFINE_SUM_FANOUT(fanout_f32_avx512, "avx512f", float, __m512, _mm512_loadu_ps, _mm512_add_ps, _mm512_storeu_ps,
+                  _mm512_stream_ps, 16)
+DEFINE_SUM_FANOUT(fanout_f64_avx512, "avx512f", double, __m512d, _mm512_loadu_pd, _mm512_add_pd, _mm512_storeu_pd,
+                  _mm512_stream_pd, 8)
+DEFINE_SUM_FANOUT(fanout_f32_avx, "avx", float, __m256, _mm256_loadu_ps, _mm256_add_ps, _mm256_storeu_ps,
+                  _mm256_stream_ps, 8)
+DEFINE_SUM_FANOUT(fanout_f64_avx, "avx", double, __m256d, _mm256_loadu_pd, _mm256_add_pd, _mm256_storeu_pd,
+                  _mm256_stream_pd, 4)
 #endif
 
 /* Whether every destination sits at the same place within a 64-byte line, on an element boundary. */
@@ -283,15 +297,16 @@ void t3d__shm_reduce_fanout(void *const *dst, int ndst, const void *const *src, 
   _Alignas(64) char tile[FANOUT_TILE];
   const void *at[T3D_SHM_FANOUT_MAX];
   size_t es = t3d_dtype_size(dt), per = FANOUT_TILE / es;
-  int v = nt ? isa() : ISA_NONE;
+  int v = isa();
+  if (v == ISA_NONE) nt = 0; /* no vector registers: no non-temporal stores either */
 #ifdef T3D_SHM_X86
   if (v != ISA_NONE && op == T3D_SUM && (dt == T3D_FLOAT32 || dt == T3D_FLOAT64) && same_alignment(dst, ndst, es)) {
     if (dt == T3D_FLOAT32)
       (v == ISA_AVX512 ? fanout_f32_avx512 : fanout_f32_avx)((float *const *)dst, ndst, (const float *const *)src,
-                                                               nsrc, n);
+                                                               nsrc, n, nt);
     else
       (v == ISA_AVX512 ? fanout_f64_avx512 : fanout_f64_avx)((double *const *)dst, ndst, (const double *const *)src,
-                                                               nsrc, n);
+                                                               nsrc, n, nt);
     return;
   }
 #endif
@@ -299,18 +314,6 @@ void t3d__shm_reduce_fanout(void *const *dst, int ndst, const void *const *src, 
     size_t m = n - i < per ? n - i : per, off = i * es;
     for (int p = 0; p < nsrc; p++) at[p] = (const char *)src[p] + off;
     t3d__shm_reduce_n(tile, NULL, at, nsrc, m, dt, op, 0);
-    for (int q = 0; q < ndst; q++) {
-      char *d = (char *)dst[q] + off;
-#ifdef T3D_SHM_X86
-      if (v == ISA_AVX512) stream_avx512(d, tile, m * es);
-      else if (v == ISA_AVX) stream_avx(d, tile, m * es);
-      else memcpy(d, tile, m * es);
-#else
-      memcpy(d, tile, m * es);
-#endif
-    }
+    for (int q = 0; q < ndst; q++) t3d__shm_copy((char *)dst[q] + off, tile, m * es, nt);
   }
-#ifdef T3D_SHM_X86
-  if (v != ISA_NONE) _mm_sfence();
-#endif
 }
