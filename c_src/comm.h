@@ -136,6 +136,10 @@ struct t3d_comm {
   t3d_request_t *group_head, *group_tail;
 
   t3d_request_t *active_p2p; /* UCX point-to-point in flight (ucx/p2p.c); progress thread only */
+  /* The UCX ring reduce-scatter's receive buffers (ucx/ring.c), kept from one operation to the next; only the
+   * operation running uses them (one at a time: `busy`). Freed with the communicator. */
+  void *ring_scratch;
+  size_t ring_scratch_bytes;
 
   pthread_mutex_t err_mu;
   char last_error[1024];

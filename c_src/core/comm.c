@@ -153,6 +153,7 @@ static void free_hier(t3d_comm_t *comm) {
 }
 
 static void comm_free(t3d_comm_t *comm) {
+  free(comm->ring_scratch);
   pthread_mutex_destroy(&comm->mu);
   pthread_cond_destroy(&comm->cv);
   pthread_mutex_destroy(&comm->err_mu);
