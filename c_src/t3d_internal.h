@@ -51,6 +51,10 @@ static inline int t3d__overlap(const void *a, size_t na, const void *b, size_t n
   uintptr_t x = (uintptr_t)a, y = (uintptr_t)b;
   return na > 0 && nb > 0 && x < y + nb && y < x + na;
 }
+
+/* A scratch buffer kept from call to call: grows *buf to at least bytes (its old contents are not kept), never
+ * shrinks; 0 when out of memory (then *buf is left as it was). */
+int t3d__grow_scratch(void **buf, size_t *cap, size_t bytes);
 /* Byte range [lo, hi) covered by the non-empty blocks (counts and displacements in elements of es bytes); [0, 0)
  * when every block is empty. */
 void t3d__block_extent(int n, const size_t *counts, const size_t *displs, size_t es, size_t *lo, size_t *hi);

@@ -156,3 +156,13 @@ t3d_result_t t3d__alltoall_source(int n, const void *sendbuf, const size_t *scou
   *copy = c;
   return T3D_OK;
 }
+
+int t3d__grow_scratch(void **buf, size_t *cap, size_t bytes) {
+  if (*cap >= bytes) return 1;
+  void *p = malloc(bytes);
+  if (p == NULL) return 0;
+  free(*buf);
+  *buf = p;
+  *cap = bytes;
+  return 1;
+}

@@ -150,14 +150,7 @@ static t3d_result_t failed(t3d_exec_t *ex, t3d_hier_t *h, const t3d_exec_t *phas
   return res;
 }
 
-static int grow_scratch(t3d_hier_t *h, size_t bytes) {
-  if (h->scratch_bytes >= bytes) return 1;
-  void *s = realloc(h->scratch, bytes);
-  if (s == NULL) return 0;
-  h->scratch = s;
-  h->scratch_bytes = bytes;
-  return 1;
-}
+static int grow_scratch(t3d_hier_t *h, size_t bytes) { return t3d__grow_scratch(&h->scratch, &h->scratch_bytes, bytes); }
 
 /* One piece of the vector through the three levels. */
 static t3d_result_t hier_allreduce_piece(t3d_exec_t *ex, const void *sendbuf, void *recvbuf, size_t count,

@@ -66,18 +66,12 @@ size_t t3d__algo_small_bytes(void) {
 
 /* The ring's receive buffers, at least `bytes`: the communicator's, kept from call to call up to RING_KEEP_MAX
  * (a buffer allocated per call has new pages, which the kernel's receive faults in one at a time: measured on 2
- * namespace hosts x 2 ranks, 64 MiB reduce_scatter through torch, four alternating pairs, 80-94 -> 53-71 ms), or
+ * namespace hosts x 2 ranks, 64 MiB reduce_scatter through torch, three alternating pairs, 86-105 -> 49-69 ms), or
  * for a larger one its own allocation, which the caller frees. NULL when out of memory. */
 #define RING_KEEP_MAX ((size_t)64 << 20)
 static char *ring_scratch(t3d_comm_t *comm, size_t bytes) {
   if (bytes > RING_KEEP_MAX) return malloc(bytes);
-  if (comm->ring_scratch_bytes < bytes) {
-    void *p = malloc(bytes);
-    if (p == NULL) return NULL;
-    free(comm->ring_scratch);
-    comm->ring_scratch = p;
-    comm->ring_scratch_bytes = bytes;
-  }
+  if (!t3d__grow_scratch(&comm->ring_scratch, &comm->ring_scratch_bytes, bytes)) return NULL;
   return comm->ring_scratch;
 }
 
