@@ -42,6 +42,15 @@ void t3d__host_identity(char *buf, size_t len) {
   snprintf(buf, len, "%s/%s", host, boot);
 }
 
+/* Kept a call also under link-time optimization, which otherwise inlines it where n is a constant, as `rep stos`
+ * again (t3d_internal.h says why not): noipa stops that and the constant's propagation into a copy of it. */
+#if defined(__has_attribute)
+#if __has_attribute(noipa)
+__attribute__((noipa))
+#else
+__attribute__((noinline))
+#endif
+#endif
 void t3d__zero(void *p, size_t n) { memset(p, 0, n); }
 
 uint64_t t3d__now_ns(void) {
