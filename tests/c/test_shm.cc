@@ -786,6 +786,44 @@ TEST(ShmFailure, SizeMismatchIsReported) {
   }
 }
 
+// t3d_alltoall on ranks that disagree on the block size fails with T3D_ERR_MISMATCH (or times out), never with wrong
+// data or a hang: pairs within each way small equal blocks travel (in the sender's info line up to 40 bytes, packed
+// in its half up to 16 KiB, the steps above) and across them, the larger block on either rank; and a rank that calls
+// t3d_alltoall against one that calls t3d_alltoallv with the same blocks (which take the steps).
+TEST(ShmFailure, AlltoallBlockMismatchIsReported) {
+  RunOptions o;
+  o.comm_timeout_ms = 1000;
+  o.abort_on_failure = false;
+  const size_t pairs[][2] = {{4, 8}, {8, 100}, {100, 8}, {100, 120}, {1000, 5000}, {5000, 1000}};
+  for (const auto &pair : pairs) {
+    RunRanks(2, [&](int rank, t3d_comm_t *comm) {
+      const size_t count = pair[rank];
+      std::vector<float> in(2 * count, 1.0f), out(2 * count, -1.0f);
+      std::string err;
+      t3d_request_t *req = nullptr;
+      const t3d_result_t call = t3d_alltoall(comm, in.data(), out.data(), count, T3D_FLOAT32, nullptr, &req);
+      t3d_result_t r = Complete(call, req, &err);
+      EXPECT_TRUE(r == T3D_ERR_MISMATCH || r == T3D_ERR_TIMEOUT)
+          << Tag(rank, t3d_result_string(r)) << " " << err << " (blocks " << pair[0] << ", " << pair[1] << ")";
+    }, o);
+  }
+  for (size_t count : {size_t{8}, size_t{100}}) {
+    RunRanks(2, [&](int rank, t3d_comm_t *comm) {
+      std::vector<float> in(2 * count, 1.0f), out(2 * count, -1.0f);
+      std::vector<size_t> counts = {count, count}, displs = {0, count};
+      std::string err;
+      t3d_request_t *req = nullptr;
+      const t3d_result_t call =
+          rank == 0 ? t3d_alltoall(comm, in.data(), out.data(), count, T3D_FLOAT32, nullptr, &req)
+                    : t3d_alltoallv(comm, in.data(), counts.data(), displs.data(), out.data(), counts.data(),
+                                    displs.data(), T3D_FLOAT32, nullptr, &req);
+      t3d_result_t r = Complete(call, req, &err);
+      EXPECT_TRUE(r == T3D_ERR_MISMATCH || r == T3D_ERR_TIMEOUT)
+          << Tag(rank, t3d_result_string(r)) << " " << err << " (alltoall against alltoallv, " << count << ")";
+    }, o);
+  }
+}
+
 // An alltoallv whose ranks disagree on a split (rank 0 sends 5 elements to rank 1, which expects 6) fails on the
 // receiver with a mismatch naming the sender and both lengths, whether the blocks go through the segment or are read
 // from the sender (single copy). The sender's own blocks all arrive as it expects: it may complete.
