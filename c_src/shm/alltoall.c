@@ -228,7 +228,8 @@ static int a2a_in_line(const t3d_shm_t *s, int equal, size_t blk) {
 /* Past the info line, not where single copy or a placement probe (which the steps' path takes) is asked for. */
 static int a2a_packed(const t3d_shm_t *s, int equal, size_t blk) {
   if (a2a_in_line(s, equal, blk)) return 1;
-  return equal && s->size > 1 && (size_t)(s->size - 1) * blk <= A2A_PACKED_MAX && !t3d__shm_use_a2a_direct(s, blk) &&
+  size_t others = (size_t)(s->size - 1) * blk;
+  return equal && s->size > 1 && others <= A2A_PACKED_MAX && others <= s->half && !t3d__shm_use_a2a_direct(s, blk) &&
          !t3d__shm_probes(s, blk * (size_t)s->size);
 }
 
