@@ -1,6 +1,6 @@
-# t3d-train end to end: real ranks launched through torchrun, as the CLI launches them, with hard timeouts (the CLI's
-# own launcher, a parent process that starts torchrun, is exercised once, by test_profile_says_where_the_step_goes:
-# the others launch the torchrun command it would, which saves a Python start with torch per run).
+# t3d-train end to end: real ranks launched as the CLI launches them (forks of a server that imported the training
+# stack once, through torch's elastic launcher), with hard timeouts; test_equivalence's dp2xtp2 case runs under
+# torchrun instead (`torchrun -m t3d.train`, the command users type).
 # Equivalence: one process and each parallel layout see the same global batch per step, so their loss curves agree
 # (rtol 1e-4 over 5 steps; fp32, only the reduction order differs). Resume: a checkpoint written under one layout and
 # resumed under another continues the uninterrupted curve. Gloo: refused layouts say why; TP-only runs and matches.
@@ -38,15 +38,15 @@ def model_cache(tmp_path_factory):
     return str(tmp_path_factory.mktemp("t3d-models"))
 
 
-def _run(model_cache, out_dir, dp, tp, cp, extra=(), backend="t3d", expect_rc=0, pp=1, via_cli=False):
-    """One t3d-train run: one process runs in the CLI's own process; more are started by torchrun, from here
-    (the command the CLI launches: cli.torchrun_command), or with via_cli by the CLI's launcher."""
+def _run(model_cache, out_dir, dp, tp, cp, extra=(), backend="t3d", expect_rc=0, pp=1, torchrun=False):
+    """One t3d-train run: the CLI runs one process itself and launches more (as forks of its preloading server);
+    with torchrun, torchrun starts them, as `torchrun -m t3d.train` does."""
     from t3d.train.cli import torchrun_command
 
     args = ["--pp", str(pp), "--dp", str(dp), "--tp", str(tp), "--cp", str(cp), "--backend", backend,
             "--ckpt-dir", str(out_dir), *COMMON, *extra]
     world = pp * dp * tp * cp
-    cmd = [sys.executable, "-m", "t3d.train", *args] if world == 1 or via_cli else torchrun_command(world, args)
+    cmd = torchrun_command(world, args) if torchrun else [sys.executable, "-m", "t3d.train", *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", T3D_MODEL_CACHE=model_cache, PYTHONUNBUFFERED="1")
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
@@ -91,17 +91,17 @@ def reference(model_cache, tmp_path_factory):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("dp,tp,cp", [
-    (2, 2, 1),
-    (2, 1, 2),
-    (1, 2, 2),
-    pytest.param(2, 2, 2, marks=pytest.mark.world8),
+@pytest.mark.parametrize("dp,tp,cp,torchrun", [
+    (2, 2, 1, True),
+    (2, 1, 2, False),
+    (1, 2, 2, False),
+    pytest.param(2, 2, 2, False, marks=pytest.mark.world8),
 ], ids=["dp2xtp2", "dp2xcp2", "tp2xcp2", "dp2xtp2xcp2"])
-def test_equivalence(reference, model_cache, tmp_path, dp, tp, cp):
+def test_equivalence(reference, model_cache, tmp_path, dp, tp, cp, torchrun):
     if cp > 1 and (why := _cp_available()):
         pytest.skip(why)
     _, ref = reference
-    _, m = _run(model_cache, tmp_path, dp, tp, cp)
+    _, m = _run(model_cache, tmp_path, dp, tp, cp, torchrun=torchrun)
     assert m["world"] == dp * tp * cp
     _assert_close(_losses(m), _losses(ref)[:STEPS], f"dp{dp}xtp{tp}xcp{cp} losses")
     _assert_norms_close(m, ref, f"dp{dp}xtp{tp}xcp{cp}")
@@ -170,10 +170,10 @@ def test_compare_backends_table(model_cache, tmp_path):
 
 @pytest.mark.timeout(600)
 def test_profile_says_where_the_step_goes(model_cache, tmp_path):
-    proc, _ = _run(model_cache, tmp_path, 1, 2, 1, extra=["--profile", "2"], via_cli=True)
+    proc, _ = _run(model_cache, tmp_path, 1, 2, 1, extra=["--profile", "2"])
     out = proc.stdout + proc.stderr
-    # The CLI launched the two ranks itself, through torchrun.
-    assert "t3d-train: launching -m torch.distributed.run --standalone --nproc-per-node 2 -m t3d.train " in out, out
+    # The CLI launched the two ranks itself, as forks of its server.
+    assert "t3d-train: launching 2 ranks (torch elastic launcher; each rank a fork of a server" in out, out
     m = re.search(r"profile, rank 0, 2 step\(s\) after the first: ([\d.]+) ms per step = compute ([\d.]+) ms \(\d+%\), "
                   r"communication ([\d.]+) ms \(\d+%\), DTensor/FSDP machinery ([\d.]+) ms \(\d+%\), Python and the "
                   r"rest ([\d.]+) ms \(\d+%\)\n  largest self times per step: ", out)

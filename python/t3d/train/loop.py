@@ -235,10 +235,13 @@ class GradNorm:
         return norm
 
 
+# Nothing comes from a hub; transformers and datasets read these when imported.
+HF_OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
+
+
 def _quiet_libraries(rank: int) -> None:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    for k, v in HF_OFFLINE_ENV.items():
+        os.environ.setdefault(k, v)
     import transformers
 
     transformers.utils.logging.set_verbosity_error()

@@ -1,0 +1,19 @@
+"""What t3d-train's fork server imports once (cli._launch_forks): the modules every rank of a CPU run needs before
+its first step, so that each rank, a fork of the server, starts with them loaded. A module that fails to import
+here is left to the rank, which imports it (and reports the failure) itself."""
+
+import importlib
+import os
+
+from .loop import HF_OFFLINE_ENV
+
+for _k, _v in HF_OFFLINE_ENV.items():  # read by transformers and datasets when they are imported
+    os.environ.setdefault(_k, _v)
+
+for _name in ("torch.distributed.tensor", "torch.distributed.fsdp", "torch.distributed.checkpoint", "transformers",
+              "transformers.modeling_utils", "transformers.models.llama.modeling_llama", "datasets", "t3d", "t3d.hf",
+              "t3d.cp"):
+    try:
+        importlib.import_module(_name)
+    except Exception:  # noqa: BLE001
+        pass
