@@ -57,9 +57,13 @@ def _flush_and_exit(code):
     os._exit(code)
 
 
-def _child_main(rank, world_size, backend, init_file, q, mode, payload, args, import_t3d=True):
+def _child_main(rank, world_size, backend, init_file, q, mode, payload, args, import_t3d=True, env=None):
     global _child_queue, _child_rank
     _child_queue, _child_rank = q, rank
+    if env is not None:
+        # A fork of the server (_context): the environment the parent had when it started this world.
+        os.environ.clear()
+        os.environ.update(env)
     try:
         import torch
         torch.set_num_threads(1)
@@ -112,12 +116,42 @@ def _child_main(rank, world_size, backend, init_file, q, mode, payload, args, im
     _flush_and_exit(0)
 
 
+# Worlds on backend t3d start their ranks as forks of a server that imported torch once, instead of as new
+# interpreters that each import it (about 2.5 s of one core per rank; the suite starts hundreds of ranks). The server
+# imports torch without the t3d entry point, so each rank imports t3d itself after taking the parent's environment
+# of that moment (libt3d reads its variables at first use; torch's own import-time variables are CHILD_ENV's and
+# the suite's, the same for every world). Worlds that test the entry point (import_t3d=False) or another backend
+# are spawned as before; T3D_TEST_SPAWN=1 spawns every world.
+_server_started = False
+
+
+def _context(backend, import_t3d):
+    global _server_started
+    if backend != "t3d" or not import_t3d or os.environ.get("T3D_TEST_SPAWN") == "1":
+        return mp.get_context("spawn"), None
+    ctx = mp.get_context("forkserver")
+    if not _server_started:
+        from multiprocessing import forkserver
+
+        saved = os.environ.get("TORCH_DEVICE_BACKEND_AUTOLOAD")
+        os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
+        try:
+            ctx.set_forkserver_preload(["torch", "torch.distributed"])
+            forkserver.ensure_running()
+        finally:
+            if saved is None:
+                os.environ.pop("TORCH_DEVICE_BACKEND_AUTOLOAD", None)
+            else:
+                os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] = saved
+        _server_started = True
+    return ctx, dict(os.environ)
+
+
 class _World:
     """One launch: processes, the queue, and what each rank reported."""
 
     def __init__(self, world_size, mode, payload, args, backend, import_t3d=True):
         self.ws = world_size
-        self.ctx = mp.get_context("spawn")
         self.dir = tempfile.mkdtemp(prefix="t3d-world-")
         init_file = os.path.join(self.dir, "init")
         saved = {k: os.environ.get(k) for k in CHILD_ENV}
@@ -128,11 +162,13 @@ class _World:
             os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
         self.conns = {}
         try:
+            self.ctx, env = _context(backend, import_t3d)
             self.procs = []
             for r in range(world_size):
                 reader, writer = self.ctx.Pipe(duplex=False)
                 p = self.ctx.Process(target=_child_main, name=f"rank{r}",
-                                     args=(r, world_size, backend, init_file, writer, mode, payload, args, import_t3d))
+                                     args=(r, world_size, backend, init_file, writer, mode, payload, args, import_t3d,
+                                           env))
                 p.daemon = True
                 p.start()
                 writer.close()
