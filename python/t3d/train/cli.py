@@ -130,15 +130,14 @@ def torchrun_command(nproc: int, argv: list[str]) -> list[str]:
             "-m", "t3d.train", *argv]
 
 
-def launch(nproc: int, argv: list[str], device: str = "auto", quiet: bool = False) -> int:
+def launch(nproc: int, argv: list[str], device: str = "auto") -> int:
     """Starts nproc ranks of this run: as forks of a server that imported the training stack once (CPU runs), or
     through torchrun (CUDA runs: a process whose imports may have touched CUDA must not be forked)."""
     argv = _strip_nproc(argv)
     if _forks_ok(device):
-        return _launch_forks(nproc, argv, quiet)
+        return _launch_forks(nproc, argv, quiet=False)
     cmd = torchrun_command(nproc, argv)
-    if not quiet:
-        print("t3d-train: launching " + " ".join(cmd[1:]), file=sys.stderr, flush=True)
+    print("t3d-train: launching " + " ".join(cmd[1:]), file=sys.stderr, flush=True)
     try:
         return subprocess.call(cmd, env=_child_env(nproc))
     except KeyboardInterrupt:

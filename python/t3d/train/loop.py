@@ -235,13 +235,14 @@ class GradNorm:
         return norm
 
 
-# Nothing comes from a hub; transformers and datasets read these when imported.
-HF_OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
+def set_offline_env() -> None:
+    """Nothing comes from a hub; transformers and datasets read these when imported."""
+    for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_NO_ADVISORY_WARNINGS"):
+        os.environ.setdefault(k, "1")
 
 
 def _quiet_libraries(rank: int) -> None:
-    for k, v in HF_OFFLINE_ENV.items():
-        os.environ.setdefault(k, v)
+    set_offline_env()
     import transformers
 
     transformers.utils.logging.set_verbosity_error()

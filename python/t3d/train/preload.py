@@ -3,12 +3,10 @@ its first step, so that each rank, a fork of the server, starts with them loaded
 here is left to the rank, which imports it (and reports the failure) itself."""
 
 import importlib
-import os
 
-from .loop import HF_OFFLINE_ENV
+from .loop import set_offline_env
 
-for _k, _v in HF_OFFLINE_ENV.items():  # read by transformers and datasets when they are imported
-    os.environ.setdefault(_k, _v)
+set_offline_env()  # before transformers and datasets are imported
 
 for _name in ("torch.distributed.tensor", "torch.distributed.fsdp", "torch.distributed.checkpoint", "transformers",
               "transformers.modeling_utils", "transformers.models.llama.modeling_llama", "datasets", "t3d", "t3d.hf",
