@@ -126,25 +126,21 @@ _server_started = False
 
 
 def _context(backend, import_t3d):
+    """The start method for a world, and the environment its forked ranks take (None: spawned, they inherit it).
+    Sets TORCH_DEVICE_BACKEND_AUTOLOAD for the server's start; the caller restores it with the variables it sets."""
     global _server_started
     if backend != "t3d" or not import_t3d or os.environ.get("T3D_TEST_SPAWN") == "1":
         return mp.get_context("spawn"), None
+    env = dict(os.environ)
     ctx = mp.get_context("forkserver")
     if not _server_started:
         from multiprocessing import forkserver
 
-        saved = os.environ.get("TORCH_DEVICE_BACKEND_AUTOLOAD")
         os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
-        try:
-            ctx.set_forkserver_preload(["torch", "torch.distributed"])
-            forkserver.ensure_running()
-        finally:
-            if saved is None:
-                os.environ.pop("TORCH_DEVICE_BACKEND_AUTOLOAD", None)
-            else:
-                os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] = saved
+        ctx.set_forkserver_preload(["torch", "torch.distributed"])
+        forkserver.ensure_running()
         _server_started = True
-    return ctx, dict(os.environ)
+    return ctx, env
 
 
 class _World:
@@ -154,11 +150,10 @@ class _World:
         self.ws = world_size
         self.dir = tempfile.mkdtemp(prefix="t3d-world-")
         init_file = os.path.join(self.dir, "init")
-        saved = {k: os.environ.get(k) for k in CHILD_ENV}
+        saved = {k: os.environ.get(k) for k in (*CHILD_ENV, "TORCH_DEVICE_BACKEND_AUTOLOAD")}
         os.environ.update(CHILD_ENV)
         if backend != "t3d":
             # The installed t3d package registers a torch.backends entry point: keep other backends' runs free of it.
-            saved.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", os.environ.get("TORCH_DEVICE_BACKEND_AUTOLOAD"))
             os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
         self.conns = {}
         try:
