@@ -18,9 +18,10 @@ static int bcast_inline(size_t bytes) { return bytes <= T3D_SHM_INLINE_DATA; }
 
 /* From this size the root writes its half with non-temporal stores, which send the lines to memory instead of
  * leaving them modified in the root's caches. Where the two ranks' CPUs sit on different core complexes of the
- * host, a reader otherwise fetches every line from the other complex's cache: measured at 2 ranks on data
- * (docs/benchmarks/broadcast-root-nt-2ranks.txt), far 32 KiB-32 MiB 6-10x faster (32 MiB 14.3 -> 1.7 ms), near
- * 32-128 KiB 1.5x faster, 512 KiB-8 MiB 1.2-2x slower. */
+ * host, a reader otherwise fetches every line from the other complex's cache: measured at 2 ranks on data on an
+ * AMD EPYC (docs/benchmarks/broadcast-root-nt-2ranks.txt), far 32 KiB-32 MiB 6-10x faster (32 MiB 14.3 -> 1.7
+ * ms), near 32-128 KiB 1.5x faster, 512 KiB-8 MiB 1.2-2x slower. Not on CPUs whose cores share one L3
+ * (s->handoff_nt: Intel's), where plain stores measured 1.05-1.5x faster from 16 KiB to 8 MiB. */
 #define ROOT_NT_MIN (32u * 1024u)
 /* From this size a group that times its placement (t3d__shm_far: two ranks with a core each) asks first, and the
  * root writes plain stores where the ranks sit near each other; the probe's microsecond or two is a few per cent
@@ -82,7 +83,7 @@ t3d_result_t t3d__shm_broadcast(t3d_exec_t *ex, void *buf, size_t bytes, int roo
     if (done) return T3D_OK;
   }
   int nt = s->nt && bytes >= s->nt_min;
-  int root_nt = s->nt && bytes >= ROOT_NT_MIN;
+  int root_nt = s->handoff_nt && bytes >= ROOT_NT_MIN;
   if (bcast_probes(s, bytes)) T3D_CHECK(t3d__shm_far(s, ex, 1, &root_nt));
   for (size_t lo = 0; lo < bytes; lo += s->half) {
     size_t len = t3d__shm_min_sz(s->half, bytes - lo);
@@ -129,7 +130,7 @@ t3d_result_t t3d__shm_bcast_start(t3d_exec_t *ex, const void *buf, size_t bytes,
   rs->by_line = 1;
   if (s->rank != root) return T3D_OK;
   T3D_CHECK(t3d__shm_step_acquire(s, ex, &st)); /* free: t3d__shm_bcast_fits checked */
-  root_write(s, &st, buf, 0, bytes, bytes, s->nt && bytes >= ROOT_NT_MIN);
+  root_write(s, &st, buf, 0, bytes, bytes, s->handoff_nt && bytes >= ROOT_NT_MIN);
   return root_post(s, ex, &st, bytes, 1);
 }
 

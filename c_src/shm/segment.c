@@ -158,6 +158,7 @@ static void read_tuning(t3d_shm_t *s) {
   v = t3d__param_int(T3D_PARAM_SHM_NT_BYTES);
   s->nt_min = v <= 0 ? SIZE_MAX : (size_t)v;
   s->nt = t3d__shm_nt_available();
+  s->handoff_nt = s->nt && t3d__shm_llc_may_split();
   /* As many ranks as cores: no blind spinning, but a peer seen running on another core is worth a short spin. */
   s->cpu_aware = t3d__cores_filled() && !t3d__oversubscribed();
   v = t3d__param_int(T3D_PARAM_SHM_FAR_NS);
@@ -249,9 +250,11 @@ t3d_result_t t3d__shm_init(t3d_comm_t *comm, t3d_shm_t **out) {
     int64_t mapped = t3d__param_int(T3D_PARAM_SHM_MAPPED_BYTES);
     s->mapped_min = (all_bits & T3D_SHM_PROBE_CMA) != 0 && mapped > 0 ? (size_t)mapped : 0;
     /* Placement probes: two ranks with a core each (t3d__shm_far; with more ranks than cores the scheduler, not
-     * the placement, decides where lines come from). */
+     * the placement, decides where lines come from), on CPUs whose cores may sit on different last-level caches
+     * unless T3D_SHM_PLACEMENT_BYTES is set (elsewhere the answer would only cost the probes). */
     int64_t place = t3d__param_int(T3D_PARAM_SHM_PLACEMENT_BYTES);
-    s->place_min = comm->size == 2 && !t3d__oversubscribed() && place > 0 ? (size_t)place : 0;
+    int probe = t3d__shm_llc_may_split() || t3d__param_is_set(T3D_PARAM_SHM_PLACEMENT_BYTES);
+    s->place_min = comm->size == 2 && !t3d__oversubscribed() && place > 0 && probe ? (size_t)place : 0;
     if (peers == T3D_OK)
       snprintf(msg, sizeof msg, "1 %d %zu %zu %zu %zu %zu %zu", s->p2p_ok, s->direct_min, s->direct_max,
                s->a2a_direct_min, s->a2a_direct_max, s->mapped_min, s->place_min);

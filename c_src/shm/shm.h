@@ -95,6 +95,8 @@ struct t3d_shm {
   size_t nt_min;      /* operations of at least this many bytes write user buffers with non-temporal stores
                        * (measured here: they win from 4 MiB, lose at 2 MiB, where the output still fits the caches) */
   int nt;             /* the CPU has a non-temporal store path */
+  int handoff_nt;     /* and data that another core reads next (the broadcast root's half) may take it: where cores
+                       * may sit on different last-level caches (t3d__shm_llc_may_split) */
   int cpu_aware;      /* as many ranks as cores: publish the CPU, spin while the awaited peer runs elsewhere */
   char *p2p_region;   /* point-to-point rings and records (p2p.c) */
   size_t p2p_eager;
@@ -512,6 +514,7 @@ void t3d__shm_p2p_sizes(int n, size_t *eager, unsigned *slots);
 /* ---------- copy and reduce loops (copy.c) ---------- */
 /* Nonzero when a non-temporal store path exists on this CPU (AVX-512F or AVX). */
 int t3d__shm_nt_available(void);
+int t3d__shm_llc_may_split(void);
 /* memcpy, with non-temporal stores when nt (then ends with a store fence, so a flag published after it orders). */
 void t3d__shm_copy(void *dst, const void *src, size_t n, int nt);
 /* dst[i] = src[0][i] op src[1][i] op ... op src[nsrc-1][i], in that order, for n elements; also into dst2 when not

@@ -176,6 +176,32 @@ TEST(ShmPlacement, ZeroTurnsTheProbesOff) {
   });
 }
 
+// T3D_SHM_PLACEMENT_BYTES unset: a 2-rank group probes at its first 1 MiB allreduce, except on an Intel CPU, whose
+// cores share one L3 (copy.c, t3d__shm_llc_may_split): there it never probes and writes its halves with plain
+// stores.
+TEST(ShmPlacement, UnsetProbesWhereCoresMaySplitTheL3) {
+  UnsetEnv("T3D_SHM_PLACEMENT_BYTES");
+#if defined(__x86_64__) && defined(__GNUC__)
+  __builtin_cpu_init();
+  const uint64_t want = __builtin_cpu_is("intel") ? 0u : 1u;
+#else
+  const uint64_t want = 1u;
+#endif
+  RunRanks(2, [&](int rank, t3d_comm_t *comm) {
+    std::vector<float> in(1 << 18, 1.0f), out(1 << 18);
+    if (!RunOk(comm, "allreduce of 1 MiB", [&](t3d_request_t **r) {
+          return t3d_allreduce(comm, in.data(), out.data(), in.size(), T3D_FLOAT32, T3D_SUM, nullptr, r);
+        }))
+      return;
+    const Probes p = ReadProbes(comm);
+    EXPECT_EQ(p.count, want) << "rank " << rank;
+    if (want == 0) {
+      EXPECT_EQ(p.far, 0) << "rank " << rank;
+    }
+    EXPECT_EQ(out[12345], 2.0f) << "rank " << rank;
+  });
+}
+
 // Ranks that disagree on the size, one above the threshold (it probes) and one below (it does not), fail with
 // T3D_ERR_MISMATCH or time out: never a hang or wrong data.
 TEST(ShmPlacement, SizesEitherSideOfTheThresholdFailCleanly) {
