@@ -514,6 +514,8 @@ void t3d__shm_p2p_sizes(int n, size_t *eager, unsigned *slots);
 /* ---------- copy and reduce loops (copy.c) ---------- */
 /* Nonzero when a non-temporal store path exists on this CPU (AVX-512F or AVX). */
 int t3d__shm_nt_available(void);
+/* Nonzero unless the CPU is known to share one last-level cache among a socket's cores (Intel's): where cores may
+ * sit on different ones, a 2-rank group times its placement and may write what the peer reads next non-temporally. */
 int t3d__shm_llc_may_split(void);
 /* memcpy, with non-temporal stores when nt (then ends with a store fence, so a flag published after it orders). */
 void t3d__shm_copy(void *dst, const void *src, size_t n, int nt);
