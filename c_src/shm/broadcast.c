@@ -21,7 +21,7 @@ static int bcast_inline(size_t bytes) { return bytes <= T3D_SHM_INLINE_DATA; }
  * host, a reader otherwise fetches every line from the other complex's cache: measured at 2 ranks on data on an
  * AMD EPYC (docs/benchmarks/broadcast-root-nt-2ranks.txt), far 32 KiB-32 MiB 6-10x faster (32 MiB 14.3 -> 1.7
  * ms), near 32-128 KiB 1.5x faster, 512 KiB-8 MiB 1.2-2x slower. Not on CPUs whose cores share one L3
- * (s->handoff_nt: Intel's), where plain stores measured 1.14-1.6x faster from 32 KiB to 8 MiB. */
+ * (s->handoff_nt: Intel's; docs/architecture.md, "Not on Intel CPUs"). */
 #define ROOT_NT_MIN (32u * 1024u)
 /* From this size a group that times its placement (t3d__shm_far: two ranks with a core each) asks first, and the
  * root writes plain stores where the ranks sit near each other; the probe's microsecond or two is a few per cent

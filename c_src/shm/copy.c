@@ -32,10 +32,8 @@ int t3d__shm_nt_available(void) { return isa() != ISA_NONE; }
 /* Whether two cores of this machine may sit on different last-level caches, where a line one core wrote reaches
  * another faster from memory (non-temporal stores) than from the writer's cache: the core complexes of AMD's CPUs
  * (the placement probe, sync.c). An Intel CPU's cores share one L3 per socket, and a reader finds the writer's
- * lines there or in the writer's L2; non-temporal stores only send them to memory. Measured on an Intel Xeon
- * (2 ranks, docs/benchmarks/handoff-intel-2ranks.txt): plain stores into the halves 1.14-1.6x faster for 32 KiB-8
- * MiB broadcasts, 1.15-1.33x for 16-64 MiB allgather, alltoall and reduce_scatter. Anything not known to be Intel's
- * answers yes (as before). */
+ * lines there or in the writer's L2; non-temporal stores only send them to memory (measured: docs/architecture.md,
+ * "Not on Intel CPUs"). Anything not known to be Intel's answers yes. */
 int t3d__shm_llc_may_split(void) {
 #ifdef T3D_SHM_X86
   __builtin_cpu_init();
