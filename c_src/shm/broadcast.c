@@ -74,6 +74,74 @@ static t3d_result_t wait_root(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step_t
   return t3d__shm_wait_line(s, ex, root, st->base + 1, 0, &a);
 }
 
+/* ---------- single copy (t3d__shm_use_bcast_direct) ----------
+ * One step, with both sides copying: every rank says where its buffer is (info line) and posts phase 1; the root
+ * also shows the phase in its line and checks, as root_post does, that no other rank names itself the root. A
+ * reader then reads the head of the buffer, [0, split), from the root's process, while the root writes the tail
+ * into each reader's process (direct.c); each posts phase 2 when done and returns only once all have (the root's
+ * buffer may change after that, t3d__shm_direct_end). The readers' phase 1 is what the root's inline start waits
+ * for. The tail is the root's share: a 1/n-th per reader, in whole pages, so that the root and the n - 1 readers
+ * each move about (n - 1) / n of the bytes. */
+static size_t direct_split(const t3d_shm_t *s, size_t bytes) {
+  return bytes - (bytes / (size_t)s->size & ~(size_t)(T3D_SHM_PAGE - 1));
+}
+
+static t3d_result_t direct_publish(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step_t *st, void *buf, size_t bytes,
+                                   int root) {
+  T3D_CHECK(t3d__shm_step_acquire(s, ex, st));
+  t3d__shm_put_info(s, st, T3D_OP_BROADCAST, bytes, 0);
+  t3d__shm_put_addr(s, st, buf);
+  t3d__shm_post(s, st->base + 1); /* waking sleepers: the next post comes only after the peers' */
+  if (s->rank != root) return T3D_OK;
+  t3d__shm_show_arrived(s, st);
+  atomic_thread_fence(memory_order_seq_cst);
+  return t3d__shm_check_sole_writer(s, ex, st, T3D_OP_BROADCAST, bytes);
+}
+
+typedef struct {
+  t3d_shm_t *s;
+  t3d_exec_t *ex;
+  const t3d_shm_step_t *st;
+  const char *src;
+  size_t split, bytes;
+  t3d_result_t res;
+} tail_ctx_t;
+
+/* The root, for reader p once it has posted phase 1: the tail into p's buffer. */
+static void write_tail(void *arg, int p) {
+  tail_ctx_t *c = arg;
+  if (c->res == T3D_OK) c->res = t3d__shm_check_info(c->s, c->ex, c->st, p, T3D_OP_BROADCAST, c->bytes);
+  if (c->res != T3D_OK) return;
+  const t3d_shm_info_t *in = t3d__shm_info(c->s, p, c->st->h);
+  c->res = t3d__shm_write_peer(c->s, c->ex, p, (int)in->pid, in->addr + c->split, c->src + c->split,
+                               c->bytes - c->split);
+}
+
+/* After direct_publish (and, on a reader, the root's phase 1): this rank's share, then the step's end. */
+static t3d_result_t direct_move(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step_t *st, void *buf, size_t bytes,
+                                int root) {
+  size_t split = direct_split(s, bytes);
+  t3d_result_t res = T3D_OK;
+  if (s->rank == root) {
+    tail_ctx_t c = {s, ex, st, buf, split, bytes, T3D_OK};
+    res = t3d__shm_wait_each(s, ex, st->base + 1, NULL, write_tail, &c);
+    if (res == T3D_OK) res = c.res;
+  } else {
+    T3D_CHECK(wait_root(s, ex, st, root));
+    res = t3d__shm_check_info(s, ex, st, root, T3D_OP_BROADCAST, bytes);
+    const t3d_shm_info_t *in = t3d__shm_info(s, root, st->h);
+    if (res == T3D_OK) res = t3d__shm_read_peer(s, ex, root, (int)in->pid, buf, in->addr, split);
+  }
+  return t3d__shm_direct_end(s, ex, st->base + 2, res);
+}
+
+static t3d_result_t direct_broadcast(t3d_shm_t *s, t3d_exec_t *ex, void *buf, size_t bytes, int root) {
+  t3d_shm_step_t st;
+  t3d__shm_step_begin(s, 2, &st);
+  T3D_CHECK(direct_publish(s, ex, &st, buf, bytes, root));
+  return direct_move(s, ex, &st, buf, bytes, root);
+}
+
 t3d_result_t t3d__shm_broadcast(t3d_exec_t *ex, void *buf, size_t bytes, int root) {
   t3d_shm_t *s = t3d__exec_shm(ex);
   char *b = buf;
@@ -82,6 +150,7 @@ t3d_result_t t3d__shm_broadcast(t3d_exec_t *ex, void *buf, size_t bytes, int roo
     T3D_CHECK(t3d__shm_mapped_broadcast(s, ex, buf, bytes, root, &done));
     if (done) return T3D_OK;
   }
+  if (t3d__shm_use_bcast_direct(s, bytes)) return direct_broadcast(s, ex, buf, bytes, root);
   int nt = s->nt && bytes >= s->nt_min;
   int root_nt = s->handoff_nt && bytes >= ROOT_NT_MIN;
   if (bcast_probes(s, bytes)) T3D_CHECK(t3d__shm_far(s, ex, 1, &root_nt));
@@ -117,17 +186,22 @@ void t3d__shm_bcast_warm(t3d_shm_t *s, size_t bytes) {
 }
 
 int t3d__shm_bcast_fits(t3d_shm_t *s, size_t bytes, int root) {
-  if (bytes == 0 || bytes > s->half || t3d__shm_mapped_size(s, bytes) || bcast_probes(s, bytes)) return 0;
+  if (bytes == 0 || t3d__shm_mapped_size(s, bytes)) return 0;
+  if (t3d__shm_use_bcast_direct(s, bytes)) return t3d__shm_next_half_free(s); /* every rank writes its line */
+  if (bytes > s->half || bcast_probes(s, bytes)) return 0;
   return root != s->rank || (bytes <= T3D_SHM_SMALL_BYTES ? next_small_free(s) : t3d__shm_next_half_free(s));
 }
 
 t3d_result_t t3d__shm_bcast_start(t3d_exec_t *ex, const void *buf, size_t bytes, int root, t3d_shm_resume_t *rs) {
   t3d_shm_t *s = t3d__exec_shm(ex);
   t3d_shm_step_t st;
-  bcast_step_begin(s, bytes, &st);
+  int direct = t3d__shm_use_bcast_direct(s, bytes);
+  if (direct) t3d__shm_step_begin(s, 2, &st);
+  else bcast_step_begin(s, bytes, &st);
   rs->h = st.h;
   rs->base = st.base;
-  rs->by_line = 1;
+  rs->by_line = s->rank != root; /* the root of single copy waits for its readers' flags */
+  if (direct) return direct_publish(s, ex, &st, (void *)(uintptr_t)buf, bytes, root);
   if (s->rank != root) return T3D_OK;
   T3D_CHECK(t3d__shm_step_acquire(s, ex, &st)); /* free: t3d__shm_bcast_fits checked */
   root_write(s, &st, buf, 0, bytes, bytes, s->handoff_nt && bytes >= ROOT_NT_MIN);
@@ -137,6 +211,7 @@ t3d_result_t t3d__shm_bcast_start(t3d_exec_t *ex, const void *buf, size_t bytes,
 t3d_result_t t3d__shm_bcast_finish(t3d_exec_t *ex, const t3d_shm_resume_t *rs, void *buf, size_t bytes, int root) {
   t3d_shm_t *s = t3d__exec_shm(ex);
   t3d_shm_step_t st = {rs->h, rs->base, 0, 1};
+  if (t3d__shm_use_bcast_direct(s, bytes)) return direct_move(s, ex, &st, buf, bytes, root);
   T3D_CHECK(wait_root(s, ex, &st, root));
   T3D_CHECK(t3d__shm_check_info(s, ex, &st, root, T3D_OP_BROADCAST, bytes));
   memcpy(buf, root_data(s, &st, root, bytes), bytes);

@@ -49,21 +49,28 @@ int t3d__shm_probe_bits(int pid, unsigned long long addr) {
   return T3D_SHM_PROBE_CMA | (t3d__param_int(T3D_PARAM_SHM_P2P) != 0 ? T3D_SHM_PROBE_P2P : 0);
 }
 
-int t3d__shm_cma_read(int self_pid, int pid, void *dst, uint64_t addr, size_t len) {
+/* One cross-memory-attach transfer of len bytes between here (local) and addr in process pid: process_vm_writev
+ * when `write`, else process_vm_readv. */
+static int cma_move(int self_pid, int pid, void *local, uint64_t addr, size_t len, int write) {
   if (pid == self_pid) { /* ranks of one process (threads): the buffer is in this address space */
-    memcpy(dst, (const void *)(uintptr_t)addr, len);
+    if (write) memcpy((void *)(uintptr_t)addr, local, len);
+    else memcpy(local, (const void *)(uintptr_t)addr, len);
     return 0;
   }
   size_t done = 0;
   while (done < len) {
-    struct iovec local = {(char *)dst + done, len - done};
-    struct iovec remote = {(void *)(uintptr_t)(addr + done), len - done};
-    ssize_t got = process_vm_readv(pid, &local, 1, &remote, 1, 0);
+    struct iovec here = {(char *)local + done, len - done};
+    struct iovec there = {(void *)(uintptr_t)(addr + done), len - done};
+    ssize_t got = write ? process_vm_writev(pid, &here, 1, &there, 1, 0) : process_vm_readv(pid, &here, 1, &there, 1, 0);
     if (got < 0 && errno == EINTR) continue;
     if (got <= 0) return got < 0 ? errno : EIO;
     done += (size_t)got;
   }
   return 0;
+}
+
+int t3d__shm_cma_read(int self_pid, int pid, void *dst, uint64_t addr, size_t len) {
+  return cma_move(self_pid, pid, dst, addr, len, 0);
 }
 
 /* ---------- single copy ----------
@@ -104,20 +111,30 @@ void t3d__shm_direct_ranges(t3d_shm_t *s, int n, int cma) {
     s->a2a_direct_min = on ? T3D_SHM_A2A_DIRECT_MIN_OVERSUBSCRIBED : 0;
     s->a2a_direct_max = on ? amax : 0;
   }
+  lo = t3d__param_int(T3D_PARAM_SHM_BCAST_DIRECT_BYTES);
+  hi = t3d__param_int(T3D_PARAM_SHM_BCAST_DIRECT_MAX_BYTES);
+  asked = t3d__param_is_set(T3D_PARAM_SHM_BCAST_DIRECT_BYTES);
+  int bcast = cma && lo > 0 && hi >= lo && (asked || (!over && !t3d__shm_llc_may_split()));
+  s->bcast_direct_min = bcast ? (size_t)lo : 0;
+  s->bcast_direct_max = bcast ? (size_t)hi : 0;
 }
 
 int t3d__shm_use_direct(const t3d_shm_t *s, size_t block) {
   return s->direct_min != 0 && block >= s->direct_min && block <= s->direct_max;
 }
 
+int t3d__shm_use_bcast_direct(const t3d_shm_t *s, size_t bytes) {
+  return s->bcast_direct_min != 0 && bytes >= s->bcast_direct_min && bytes <= s->bcast_direct_max;
+}
+
 int t3d__shm_use_a2a_direct(const t3d_shm_t *s, size_t block) {
   return s->a2a_direct_min != 0 && block >= s->a2a_direct_min && block <= s->a2a_direct_max;
 }
 
-/* Copies len bytes at addr in rank p's process (pid) into dst. */
-t3d_result_t t3d__shm_read_peer(t3d_shm_t *s, t3d_exec_t *ex, int p, int pid, void *dst, uint64_t addr,
-                                size_t len) {
-  int err = len > 0 ? t3d__shm_cma_read(s->pid, pid, dst, addr, len) : 0;
+/* A transfer with rank p's memory (read_peer's or write_peer's), failing with ex->error set. */
+static t3d_result_t peer_move(t3d_shm_t *s, t3d_exec_t *ex, int p, int pid, void *local, uint64_t addr, size_t len,
+                              int write) {
+  int err = len > 0 ? cma_move(s->pid, pid, local, addr, len, write) : 0;
   if (err == 0) return T3D_OK;
   if (err == ESRCH) { /* the owner's process is gone */
     snprintf(ex->error, sizeof ex->error, "t3d: %s #%llu on group '%s' (rank %d of %d): rank %d's process (pid %d) "
@@ -125,8 +142,20 @@ t3d_result_t t3d__shm_read_peer(t3d_shm_t *s, t3d_exec_t *ex, int p, int pid, vo
     return T3D_ERR_PEER_LOST;
   }
   snprintf(ex->error, sizeof ex->error,
-           "t3d: %s #%llu on group '%s' (rank %d of %d): reading %zu bytes from rank %d's memory (process_vm_readv) "
-           "failed: %s; T3D_SHM_DIRECT_BYTES=0 copies through shared memory instead",
-           ex->opname, (unsigned long long)ex->seq, ex->comm->name, ex->rank, ex->size, len, p, strerror(err));
+           "t3d: %s #%llu on group '%s' (rank %d of %d): %s %zu bytes %s rank %d's memory (%s) failed: %s; "
+           "T3D_SHM_DIRECT_BYTES=0 and T3D_SHM_BCAST_DIRECT_BYTES=0 copy through shared memory instead",
+           ex->opname, (unsigned long long)ex->seq, ex->comm->name, ex->rank, ex->size, write ? "writing" : "reading",
+           len, write ? "into" : "from", p, write ? "process_vm_writev" : "process_vm_readv", strerror(err));
   return T3D_ERR_SYSTEM;
+}
+
+/* Copies len bytes at addr in rank p's process (pid) into dst. */
+t3d_result_t t3d__shm_read_peer(t3d_shm_t *s, t3d_exec_t *ex, int p, int pid, void *dst, uint64_t addr,
+                                size_t len) {
+  return peer_move(s, ex, p, pid, dst, addr, len, 0);
+}
+
+t3d_result_t t3d__shm_write_peer(t3d_shm_t *s, t3d_exec_t *ex, int p, int pid, uint64_t addr, const void *src,
+                                 size_t len) {
+  return peer_move(s, ex, p, pid, (void *)(uintptr_t)src, addr, len, 1);
 }

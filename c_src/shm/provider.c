@@ -111,8 +111,8 @@ static t3d_result_t shm_start(t3d_exec_t *ex, t3d_request_t *r) {
     case T3D_OP_BARRIER: t3d__shm_barrier_start(ex, &r->rs); break;
     case T3D_OP_BROADCAST:
       T3D_CHECK(t3d__shm_bcast_start(ex, r->recvbuf, r->count * es, r->root, &r->rs));
-      if (ex->rank == r->root) return T3D_OK;
-      who = r->root;
+      if (ex->rank != r->root) who = r->root;
+      else if (!t3d__shm_use_bcast_direct(ex->comm->shm, r->count * es)) return T3D_OK; /* else: waits for its readers */
       break;
     case T3D_OP_ALLGATHERV:
       T3D_CHECK(t3d__shm_gather_start(ex, r->sendbuf, r->recvbuf, r->rcounts, r->rdispls, es, &r->rs));

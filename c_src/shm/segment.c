@@ -166,7 +166,7 @@ static void read_tuning(t3d_shm_t *s) {
   /* Liveness checks need the peers' process ids to mean the same here: true where the ranks could read each
    * other's memory at init (cross-memory attach, which addresses a process by its id), not across pid namespaces. */
   v = t3d__param_int(T3D_PARAM_SHM_LIVENESS_MS);
-  int pids_shared = s->p2p_ok || s->direct_max > 0 || s->a2a_direct_max > 0;
+  int pids_shared = s->p2p_ok || s->direct_max > 0 || s->a2a_direct_max > 0 || s->bcast_direct_max > 0;
   s->liveness_ns = v <= 0 || !pids_shared ? 0 : (uint64_t)v * 1000000u;
   /* For the others' liveness checks (0 until written: not checked). */
   atomic_store_explicit(t3d__shm_pid(s, s->rank), (int32_t)s->pid, memory_order_release);
@@ -256,8 +256,9 @@ t3d_result_t t3d__shm_init(t3d_comm_t *comm, t3d_shm_t **out) {
     int probe = t3d__shm_llc_may_split() || t3d__param_is_set(T3D_PARAM_SHM_PLACEMENT_BYTES);
     s->place_min = comm->size == 2 && !t3d__oversubscribed() && place > 0 && probe ? (size_t)place : 0;
     if (peers == T3D_OK)
-      snprintf(msg, sizeof msg, "1 %d %zu %zu %zu %zu %zu %zu", s->p2p_ok, s->direct_min, s->direct_max,
-               s->a2a_direct_min, s->a2a_direct_max, s->mapped_min, s->place_min);
+      snprintf(msg, sizeof msg, "1 %d %zu %zu %zu %zu %zu %zu %zu %zu", s->p2p_ok, s->direct_min, s->direct_max,
+               s->a2a_direct_min, s->a2a_direct_max, s->bcast_direct_min, s->bcast_direct_max, s->mapped_min,
+               s->place_min);
     else snprintf(msg, sizeof msg, "!%s", err);
     res = t3d__store_set(comm, "shm/ready", msg, strlen(msg) + 1);
     if (peers != T3D_OK) {
@@ -295,10 +296,10 @@ t3d_result_t t3d__shm_init(t3d_comm_t *comm, t3d_shm_t **out) {
     if (res != T3D_OK) goto fail;
     T3D_CHECK_GOTO(t3d__store_get(comm, "shm/ready", &v, &len), res, fail);
     int p2p_ok = 0;
-    unsigned long long dmin = 0, dmax = 0, amin = 0, amax = 0, mmin = 0, pmin = 0;
+    unsigned long long dmin = 0, dmax = 0, amin = 0, amax = 0, bmin = 0, bmax = 0, mmin = 0, pmin = 0;
     if (len == 0 || ((char *)v)[len - 1] != '\0' ||
-        sscanf((char *)v, "1 %d %llu %llu %llu %llu %llu %llu", &p2p_ok, &dmin, &dmax, &amin, &amax, &mmin,
-               &pmin) != 7) {
+        sscanf((char *)v, "1 %d %llu %llu %llu %llu %llu %llu %llu %llu", &p2p_ok, &dmin, &dmax, &amin, &amax, &bmin,
+               &bmax, &mmin, &pmin) != 9) {
       res = t3d__set_error(comm, T3D_ERR_SYSTEM, "t3d_comm_init: rank %d of group '%s': shared memory set-up failed: "
                            "%.*s", comm->rank, comm->name, (int)(len > 1 ? len - 2 : 0), len > 1 ? (char *)v + 1 : "");
       goto fail;
@@ -308,6 +309,8 @@ t3d_result_t t3d__shm_init(t3d_comm_t *comm, t3d_shm_t **out) {
     s->direct_max = (size_t)dmax;
     s->a2a_direct_min = (size_t)amin;
     s->a2a_direct_max = (size_t)amax;
+    s->bcast_direct_min = (size_t)bmin;
+    s->bcast_direct_max = (size_t)bmax;
     s->mapped_min = (size_t)mmin;
     s->place_min = (size_t)pmin;
     free(v);
@@ -315,10 +318,11 @@ t3d_result_t t3d__shm_init(t3d_comm_t *comm, t3d_shm_t **out) {
   }
   read_tuning(s);
   T3D_INFO("group '%s' rank %d: shared memory %s, %zu bytes, halves of %zu bytes, point-to-point %s, single copy "
-           "for allgather blocks of %zu to %zu bytes and alltoall blocks of %zu to %zu (0: off), t3d memory in place "
-           "from %zu bytes (0: never), placement timed from %zu bytes (0: never)", comm->name, comm->rank, s->name,
-           s->map_bytes, s->half, s->p2p_ok ? "over shared memory" : "over UCX", s->direct_min, s->direct_max,
-           s->a2a_direct_min, s->a2a_direct_max, s->mapped_min, s->place_min);
+           "for allgather blocks of %zu to %zu bytes, alltoall blocks of %zu to %zu and broadcasts of %zu to %zu (0: off), "
+           "t3d memory in place from %zu bytes (0: never), placement timed from %zu bytes (0: never)", comm->name,
+           comm->rank, s->name, s->map_bytes, s->half, s->p2p_ok ? "over shared memory" : "over UCX", s->direct_min,
+           s->direct_max, s->a2a_direct_min, s->a2a_direct_max, s->bcast_direct_min, s->bcast_direct_max,
+           s->mapped_min, s->place_min);
   *out = s;
   return T3D_OK;
 fail:

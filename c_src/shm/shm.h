@@ -107,6 +107,9 @@ struct t3d_shm {
   size_t direct_max;
   size_t a2a_direct_min; /* the same for alltoallv blocks, whose range differs when oversubscribed */
   size_t a2a_direct_max;
+  size_t bcast_direct_min; /* broadcasts of bcast_direct_min to bcast_direct_max bytes: the readers read the root's
+                            * buffer (broadcast.c, single copy); 0: never (rank 0's choice for all) */
+  size_t bcast_direct_max;
   size_t mapped_min;  /* collectives of at least this many bytes first offer their buffers as t3d memory (mapped.c);
                        * 0: never (rank 0's choice for all) */
   char **m_in, **m_out; /* scratch: a mapped collective's buffers of every rank, mapped here */
@@ -458,9 +461,15 @@ void t3d__shm_direct_ranges(t3d_shm_t *s, int n, int cma);
 /* Whether an allgatherv (alltoallv) block of `block` bytes is read straight from its owner. */
 int t3d__shm_use_direct(const t3d_shm_t *s, size_t block);
 int t3d__shm_use_a2a_direct(const t3d_shm_t *s, size_t block);
+/* Whether a broadcast of `bytes` is read from the root's buffer (broadcast.c). */
+int t3d__shm_use_bcast_direct(const t3d_shm_t *s, size_t bytes);
 /* Copies len bytes at addr in rank p's process (pid) into dst; on failure ex->error says what went wrong. */
 t3d_result_t t3d__shm_read_peer(t3d_shm_t *s, t3d_exec_t *ex, int p, int pid, void *dst, uint64_t addr,
                                 size_t len);
+/* Copies len bytes at src into addr in rank p's process (process_vm_writev: cross-memory attach allows it wherever
+ * it allows reading); on failure ex->error says what went wrong. */
+t3d_result_t t3d__shm_write_peer(t3d_shm_t *s, t3d_exec_t *ex, int p, int pid, uint64_t addr, const void *src,
+                                 size_t len);
 /* The end of a single-copy step on this rank, whose reads ended with res: posts `done` (also after a failed read:
  * the owners then need not wait for their deadline), then waits until every rank has posted it, so that nobody
  * reads this rank's buffer any more when the call returns, even a failed one. The first error wins. Here rather

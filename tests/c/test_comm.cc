@@ -521,14 +521,15 @@ TEST(Comm, SmallCollectivesRunInline) {
   UnsetEnv("T3D_INLINE_WAIT_NS");
 }
 
-// Allgather and alltoall blocks that are read straight from their owner (single copy; T3D_SHM_DIRECT_BYTES=1 puts
-// every block in that range) start on the caller's thread too: small non-blocking ones on an idle communicator are
-// done on return, with every rank's block read (the owner returns only once its readers are done), with new data
-// on every iteration.
+// Allgather and alltoall blocks, and broadcasts, that are read straight from their owner (single copy;
+// T3D_SHM_DIRECT_BYTES=1 and T3D_SHM_BCAST_DIRECT_BYTES=1 put every size up to their maximum in that range) start on
+// the caller's thread too: small non-blocking ones on an idle communicator are done on return, with every rank's
+// block read (the owner returns only once its readers are done), with new data on every iteration.
 TEST(Comm, SmallSingleCopyCollectivesRunInline) {
   const int n = 3;
   SetEnv("T3D_INLINE_WAIT_NS", "600000000000");
   SetEnv("T3D_SHM_DIRECT_BYTES", "1");
+  SetEnv("T3D_SHM_BCAST_DIRECT_BYTES", "1");
   RunRanks(n, [&](int rank, t3d_comm_t *c) {
     if (std::string(t3d_comm_transport(c)).find("shm") == std::string::npos) GTEST_SKIP() << "no shared memory";
     for (int it = 0; it < 50; ++it) {
@@ -548,6 +549,17 @@ TEST(Comm, SmallSingleCopyCollectivesRunInline) {
       EXPECT_EQ(t3d_test(qa), T3D_OK) << "a small single-copy alltoall on an idle communicator should be done on "
                                          "return, iteration " << it;
       EXPECT_EQ(Finish(qa, &err), T3D_OK) << err;
+      const int root = it % n;
+      std::vector<int32_t> bc(m * 8, -1);  // up to 58 kB (T3D_INLINE_BYTES)
+      if (rank == root)
+        for (size_t i = 0; i < bc.size(); ++i) bc[i] = 1000 * it + static_cast<int32_t>(i % 991);
+      t3d_request_t *qb = nullptr;
+      T3D_EXPECT_OK(c, t3d_broadcast(c, bc.data(), bc.size(), T3D_INT32, root, nullptr, &qb));
+      EXPECT_EQ(t3d_test(qb), T3D_OK) << "a single-copy broadcast on an idle communicator should be done on "
+                                         "return, iteration " << it;
+      EXPECT_EQ(Finish(qb, &err), T3D_OK) << err;
+      for (size_t i = 0; i < bc.size(); ++i)
+        ASSERT_EQ(bc[i], 1000 * it + static_cast<int32_t>(i % 991)) << "broadcast, iteration " << it << ", element " << i;
       for (int p = 0; p < n; ++p) {
         for (size_t i = 0; i < m; ++i) {
           ASSERT_EQ(all[p * m + i], 1000000 * p + 1000 * it + static_cast<int32_t>(i % 997))
@@ -559,6 +571,7 @@ TEST(Comm, SmallSingleCopyCollectivesRunInline) {
     }
   });
   UnsetEnv("T3D_SHM_DIRECT_BYTES");
+  UnsetEnv("T3D_SHM_BCAST_DIRECT_BYTES");
   UnsetEnv("T3D_INLINE_WAIT_NS");
 }
 

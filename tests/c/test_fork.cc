@@ -63,6 +63,10 @@ void Report(int fd, int rank, const char *fmt, ...) {
 }
 
 enum class Death { kNone, kSelfKill, kParentKill };
+// What the children's loop runs: allreduces, or collectives that read large buffers straight from the other ranks'
+// processes (single copy): allgathers of 400 kB blocks, or 400 kB broadcasts from rank 0 (the root writes part of
+// each reader's buffer, the readers read the rest).
+enum class Loop { kAllreduce, kAllgather, kBroadcast };
 
 struct ChildArgs {
   int rank;
@@ -72,20 +76,23 @@ struct ChildArgs {
   int ready_fd;  // rank 2 writes one byte here once it has run a few iterations (kParentKill)
   Death death;
   std::string log;  // non-empty: T3D_DEBUG=INFO into files with this prefix
-  bool gather;      // the loop runs allgathers of blocks that are read from their owners (single copy)
+  Loop loop;
   bool default_ranges;  // leave T3D_SHM_DIRECT_BYTES unset: the library's own single-copy ranges
 };
 
-// The body of a child process: init, then allreduce (or allgather) in a loop until the planned death shows as an
-// error.
+// The body of a child process: init, then the loop's collective until the planned death shows as an error.
 [[noreturn]] void ChildMain(const ChildArgs &a) {
   if (!a.log.empty()) {
     SetEnv("T3D_DEBUG", "INFO");
     SetEnv("T3D_DEBUG_FILE", a.log.c_str());
   }
   // Single copy of allgather blocks is off by default with more ranks than cores (3 here on 2 cores); setting the
-  // size turns it on for both allgather and alltoall.
-  if (!a.default_ranges) SetEnv("T3D_SHM_DIRECT_BYTES", "65536");
+  // size turns it on for both allgather and alltoall. The same for broadcasts, here from 256 to 512 KiB.
+  if (!a.default_ranges) {
+    SetEnv("T3D_SHM_DIRECT_BYTES", "65536");
+    SetEnv("T3D_SHM_BCAST_DIRECT_BYTES", "262144");
+    SetEnv("T3D_SHM_BCAST_DIRECT_MAX_BYTES", "524288");
+  }
   FileStore store(a.dir);
   t3d_config_t cfg;
   t3d_config_init(&cfg);
@@ -98,9 +105,10 @@ struct ChildArgs {
     Report(a.report_fd, a.rank, "t3d_comm_init -> %s", t3d_result_string(r));
     _exit(kExitInit);
   }
-  const size_t count = a.gather ? 100000 : 4096;  // allgather: 400 kB blocks
-  std::vector<float> in(count), out(a.gather ? count * kWorld : count);
-  const char *opname = a.gather ? "allgather" : "allreduce";
+  const bool gather = a.loop == Loop::kAllgather, bcast = a.loop == Loop::kBroadcast;
+  const size_t count = a.loop == Loop::kAllreduce ? 4096 : 100000;  // 400 kB blocks
+  std::vector<float> in(count), out(gather ? count * kWorld : count);
+  const char *opname = gather ? "allgather" : bcast ? "broadcast" : "allreduce";
   const int max_iters = a.death == Death::kNone ? 50 : 1000000;
   const auto loop_start = Clock::now();
   for (int it = 0; it < max_iters; ++it) {
@@ -113,15 +121,18 @@ struct ChildArgs {
     for (size_t i = 0; i < count; ++i) in[i] = static_cast<float>(a.rank + 1 + static_cast<int>(i % 5));
     t3d_request_t *req = nullptr;
     const auto t0 = Clock::now();
-    r = a.gather ? t3d_allgather(comm, in.data(), out.data(), count, T3D_FLOAT32, nullptr, &req)
-                 : t3d_allreduce(comm, in.data(), out.data(), count, T3D_FLOAT32, T3D_SUM, nullptr, &req);
+    if (bcast) out = a.rank == 0 ? in : std::vector<float>(count, -1.0f);
+    r = gather ? t3d_allgather(comm, in.data(), out.data(), count, T3D_FLOAT32, nullptr, &req)
+        : bcast ? t3d_broadcast(comm, out.data(), count, T3D_FLOAT32, 0, nullptr, &req)
+               : t3d_allreduce(comm, in.data(), out.data(), count, T3D_FLOAT32, T3D_SUM, nullptr, &req);
     if (r == T3D_OK) r = t3d_wait(req, 10 * kCommTimeoutMs);
     const int64_t took = MsSince(t0);
     if (r == T3D_OK) {
       t3d_request_free(req);
       for (size_t i = 0; i < out.size(); ++i) {
         const int five = static_cast<int>(i % count % 5);
-        const float want = a.gather ? static_cast<float>(static_cast<int>(i / count) + 1 + five)
+        const float want = gather ? static_cast<float>(static_cast<int>(i / count) + 1 + five)
+                           : bcast ? static_cast<float>(1 + five)
                                     : static_cast<float>(kWorld * (kWorld + 1) / 2 + kWorld * five);
         if (out[i] != want) {
           Report(a.report_fd, a.rank, "iteration %d element %zu: got %g expected %g", it, i, out[i], want);
@@ -187,7 +198,8 @@ struct ChildArgs {
   }
   // Collectives whose blocks are large enough to be read straight from the owner's process (single copy): an
   // allgather, an alltoallv where only rank 0 sends large blocks, an alltoall; then broadcasts through the segment,
-  // from rank 1 through the halves and a small one from rank 2 through the small slots. New data every iteration,
+  // from rank 1 through the halves, one from rank 0 by single copy and a small one from rank 2 through the small
+  // slots. New data every iteration,
   // so a reader that copied before the owner filled its buffer, or after it moved on, sees the wrong values.
   const size_t big = 100000;  // floats: 400 kB blocks
   for (int it = 0; it < 4; ++it) {
@@ -244,6 +256,12 @@ struct ChildArgs {
     run("broadcast", t3d_broadcast(comm, bc.data(), bc.size(), T3D_FLOAT32, 1, nullptr, &q));
     check("broadcast", bc, 0, 1, 2, bc.size());
 
+    std::vector<float> dc(big, -1.0f);  // 400 kB: single copy
+    if (a.rank == 0)
+      for (size_t i = 0; i < dc.size(); ++i) dc[i] = value(0, 1, i);
+    run("single-copy broadcast", t3d_broadcast(comm, dc.data(), dc.size(), T3D_FLOAT32, 0, nullptr, &q));
+    check("single-copy broadcast", dc, 0, 0, 1, dc.size());
+
     std::vector<float> sb(1000, -1.0f);
     if (a.rank == 2)
       for (size_t i = 0; i < sb.size(); ++i) sb[i] = value(2, 1, i);
@@ -280,8 +298,8 @@ std::string ReadAll(int fd) {
 
 // Forks kWorld children, plays the parent's part of `death`, and waits for all of them under a hard deadline
 // (killing every child when it passes). Returns each child's wait status; -1 for one that had to be killed.
-std::vector<int> RunChildren(Death death, std::string *reports, const std::string &log = "", bool gather = false,
-                             bool default_ranges = false) {
+std::vector<int> RunChildren(Death death, std::string *reports, const std::string &log = "",
+                             Loop loop = Loop::kAllreduce, bool default_ranges = false) {
   const std::string dir = "/tmp/" + UniqueName("t3d-fork");
   FileStore store(dir);
   int report_pipe[2], ready_pipe[2];
@@ -301,7 +319,7 @@ std::vector<int> RunChildren(Death death, std::string *reports, const std::strin
     if (pid == 0) {
       close(report_pipe[0]);
       close(ready_pipe[0]);
-      ChildArgs a{rank, dir, "fork", report_pipe[1], ready_pipe[1], death, log, gather, default_ranges};
+      ChildArgs a{rank, dir, "fork", report_pipe[1], ready_pipe[1], death, log, loop, default_ranges};
       ChildMain(a);
     }
     pids[rank] = pid;
@@ -389,7 +407,7 @@ void ExpectExitedOk(const std::vector<int> &status, int rank, const std::string 
 std::string CleanRunLogs(bool default_ranges) {
   std::string reports;
   const std::string log = "/tmp/" + UniqueName("t3d-fork-log");
-  std::vector<int> status = RunChildren(Death::kNone, &reports, log, false, default_ranges);
+  std::vector<int> status = RunChildren(Death::kNone, &reports, log, Loop::kAllreduce, default_ranges);
   EXPECT_EQ(status.size(), static_cast<size_t>(kWorld));
   for (int r = 0; r < static_cast<int>(status.size()); ++r) ExpectExitedOk(status, r, reports);
   std::string logs;
@@ -420,8 +438,8 @@ size_t Count(const std::string &text, const std::string &what) {
 // point-to-point over shared memory and single-copy collectives (both need cross-memory attach between processes).
 TEST(Fork, CleanRunOverFileStore) {
   const std::string logs = CleanRunLogs(false);
-  const char *want = "point-to-point over shared memory, single copy for allgather blocks of 65536 to 4194304 bytes "
-                     "and alltoall blocks of 65536 to 4194304";
+  const char *want = "point-to-point over shared memory, single copy for allgather blocks of 65536 to 4194304 bytes, "
+                     "alltoall blocks of 65536 to 4194304";
   EXPECT_EQ(Count(logs, want), static_cast<size_t>(kWorld))
       << "every rank should log that it runs point-to-point over shared memory and single-copy collectives; logs:\n"
       << logs;
@@ -430,24 +448,25 @@ TEST(Fork, CleanRunOverFileStore) {
 // Without T3D_SHM_DIRECT_BYTES the ranges follow the cores: with a core per rank, blocks of 16 KiB to 4 MiB for
 // both; with more ranks than cores, none for allgather and, for alltoall, 32 KiB up to where all n * n blocks
 // together reach 32 MiB (docs/architecture.md, "Single copy"). The run's alltoall blocks (400 kB) are in range
-// either way.
+// either way. Broadcasts of 32 KiB to 16 MiB skip the segment only with a core per rank on an Intel CPU.
 TEST(Fork, DefaultSingleCopyRangesFollowTheCores) {
   long cpus = sysconf(_SC_NPROCESSORS_ONLN);
   cpu_set_t set;
   if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) < cpus) cpus = CPU_COUNT(&set);
-  const std::string want = kWorld > cpus
-      ? "single copy for allgather blocks of 0 to 0 bytes and alltoall blocks of 32768 to " +
-            std::to_string((32u << 20) / (kWorld * kWorld)) + " "
-      : std::string("single copy for allgather blocks of 16384 to 4194304 bytes and alltoall blocks of 16384 to "
-                    "4194304 ");
+  const std::string bcast = kWorld <= cpus && __builtin_cpu_is("intel") ? "32768 to 16777216" : "0 to 0";
+  const std::string want = (kWorld > cpus
+      ? "single copy for allgather blocks of 0 to 0 bytes, alltoall blocks of 32768 to " +
+            std::to_string((32u << 20) / (kWorld * kWorld))
+      : std::string("single copy for allgather blocks of 16384 to 4194304 bytes, alltoall blocks of 16384 to "
+                    "4194304")) + " and broadcasts of " + bcast + " ";
   const std::string logs = CleanRunLogs(true);
   EXPECT_EQ(Count(logs, want), static_cast<size_t>(kWorld))
       << kWorld << " ranks on " << cpus << " cores: every rank should log '" << want << "'; logs:\n" << logs;
 }
 
-void ExpectSurvivorsReported(Death death, bool gather = false) {
+void ExpectSurvivorsReported(Death death, Loop loop = Loop::kAllreduce) {
   std::string reports;
-  std::vector<int> status = RunChildren(death, &reports, "", gather);
+  std::vector<int> status = RunChildren(death, &reports, "", loop);
   ASSERT_EQ(status.size(), static_cast<size_t>(kWorld));
   const int st2 = status[2];
   EXPECT_TRUE(st2 != -1 && WIFSIGNALED(st2) && WTERMSIG(st2) == SIGKILL)
@@ -465,8 +484,20 @@ TEST(Fork, ParentKillsRankSurvivorsFail) { ExpectSurvivorsReported(Death::kParen
 // The same deaths in a loop of single-copy allgathers: a survivor waiting for the dead rank's block, reading it
 // from a process that is gone, or waiting for it to finish reading its own block, fails with a timeout or a lost
 // peer that names the allgather, in time.
-TEST(Fork, RankKillsItselfDuringSingleCopySurvivorsFail) { ExpectSurvivorsReported(Death::kSelfKill, true); }
+TEST(Fork, RankKillsItselfDuringSingleCopySurvivorsFail) { ExpectSurvivorsReported(Death::kSelfKill, Loop::kAllgather); }
 
-TEST(Fork, ParentKillsRankDuringSingleCopySurvivorsFail) { ExpectSurvivorsReported(Death::kParentKill, true); }
+TEST(Fork, ParentKillsRankDuringSingleCopySurvivorsFail) {
+  ExpectSurvivorsReported(Death::kParentKill, Loop::kAllgather);
+}
+
+// And in a loop of single-copy broadcasts from rank 0, where rank 2 is a reader: the root, writing into a process
+// that is gone or waiting for its reader, and the other reader fail in time, naming the broadcast.
+TEST(Fork, RankKillsItselfDuringSingleCopyBroadcastSurvivorsFail) {
+  ExpectSurvivorsReported(Death::kSelfKill, Loop::kBroadcast);
+}
+
+TEST(Fork, ParentKillsRankDuringSingleCopyBroadcastSurvivorsFail) {
+  ExpectSurvivorsReported(Death::kParentKill, Loop::kBroadcast);
+}
 
 }  // namespace

@@ -100,7 +100,8 @@ std::vector<std::string> OurSegments() {
 struct Param {
   int n;
   bool tiny;    // T3D_SHM_BYTES=128 KiB, no one-shot, non-temporal stores from 1 byte
-  bool direct;  // T3D_SHM_DIRECT_BYTES=1: allgatherv and alltoallv read every block they can from its owner
+  bool direct;  // T3D_SHM_DIRECT_BYTES=1 and T3D_SHM_BCAST_DIRECT_BYTES=1: allgatherv and alltoallv read every
+                // block they can from its owner, broadcasts up to 16 MiB skip the segment (the 3 MiB one too)
 };
 
 class Shm : public ::testing::TestWithParam<Param> {
@@ -111,13 +112,17 @@ class Shm : public ::testing::TestWithParam<Param> {
       SetEnv("T3D_SHM_ONESHOT_BYTES", "0");
       SetEnv("T3D_SHM_NT_BYTES", "1");
     }
-    if (GetParam().direct) SetEnv("T3D_SHM_DIRECT_BYTES", "1");
+    if (GetParam().direct) {
+      SetEnv("T3D_SHM_DIRECT_BYTES", "1");
+      SetEnv("T3D_SHM_BCAST_DIRECT_BYTES", "1");
+    }
   }
   void TearDown() override {
     UnsetEnv("T3D_SHM_BYTES");
     UnsetEnv("T3D_SHM_ONESHOT_BYTES");
     UnsetEnv("T3D_SHM_NT_BYTES");
     UnsetEnv("T3D_SHM_DIRECT_BYTES");
+    UnsetEnv("T3D_SHM_BCAST_DIRECT_BYTES");
   }
 };
 
