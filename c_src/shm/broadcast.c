@@ -1,9 +1,11 @@
 /* broadcast.c: broadcast over a communicator's shared-memory segment: the root writes the buffer into its half a
- * step at a time, double-buffered, or a small one into the next small slot, and the others copy it out; also, for
- * what fits one half, in parts for the inline path. */
+ * step at a time, double-buffered, or a small one into the next small slot, and the others copy it out; or, in the
+ * single-copy range, straight between the ranks' buffers, the root and its readers each copying part; also, for
+ * what fits one half or is single copy, in parts for the inline path. */
 #include "shm.h"
 
 #include <string.h>
+#include <time.h>
 
 /* A small broadcast takes one step in the next small slot (a root may then run T3D_SHM_SMALL_SLOTS broadcasts
  * ahead of its slowest reader instead of two); a larger one steps through the halves. */
@@ -117,22 +119,40 @@ static void write_tail(void *arg, int p) {
                                c->bytes - c->split);
 }
 
+/* How long a reader whose step failed waits for the root to stop writing into its buffer (drain_root). */
+#define ROOT_DRAIN_NS (5ull * 1000000000ull)
+
+/* A reader whose step failed (a wait timed out, or the group broke) must not return while the root may still write
+ * into its buffer, which the caller may free once the call returns. The root writes only before it posts phase 2:
+ * wait for that post, or for its process to be gone, whatever the group's state, for at most ROOT_DRAIN_NS. */
+static void drain_root(t3d_shm_t *s, int root, uint64_t done) {
+  uint64_t until = t3d__now_ns() + ROOT_DRAIN_NS;
+  int32_t pid = atomic_load_explicit(t3d__shm_pid(s, root), memory_order_acquire);
+  while (atomic_load_explicit(t3d__shm_flag(s, root), memory_order_acquire) < done) {
+    if ((pid > 0 && t3d__shm_process_gone(pid)) || t3d__now_ns() >= until) return;
+    struct timespec nap = {0, 100000};
+    nanosleep(&nap, NULL);
+  }
+}
+
 /* After direct_publish (and, on a reader, the root's phase 1): this rank's share, then the step's end. */
 static t3d_result_t direct_move(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step_t *st, void *buf, size_t bytes,
                                 int root) {
   size_t split = direct_split(s, bytes);
-  t3d_result_t res = T3D_OK;
+  t3d_result_t res;
   if (s->rank == root) {
     tail_ctx_t c = {s, ex, st, buf, split, bytes, T3D_OK};
     res = t3d__shm_wait_each(s, ex, st->base + 1, NULL, write_tail, &c);
     if (res == T3D_OK) res = c.res;
-  } else {
-    T3D_CHECK(wait_root(s, ex, st, root));
-    res = t3d__shm_check_info(s, ex, st, root, T3D_OP_BROADCAST, bytes);
-    const t3d_shm_info_t *in = t3d__shm_info(s, root, st->h);
-    if (res == T3D_OK) res = t3d__shm_read_peer(s, ex, root, (int)in->pid, buf, in->addr, split);
+    return t3d__shm_direct_end(s, ex, st->base + 2, res);
   }
-  return t3d__shm_direct_end(s, ex, st->base + 2, res);
+  res = wait_root(s, ex, st, root);
+  if (res == T3D_OK) res = t3d__shm_check_info(s, ex, st, root, T3D_OP_BROADCAST, bytes);
+  const t3d_shm_info_t *in = t3d__shm_info(s, root, st->h);
+  if (res == T3D_OK) res = t3d__shm_read_peer(s, ex, root, (int)in->pid, buf, in->addr, split);
+  res = t3d__shm_direct_end(s, ex, st->base + 2, res);
+  if (res != T3D_OK) drain_root(s, root, st->base + 2);
+  return res;
 }
 
 static t3d_result_t direct_broadcast(t3d_shm_t *s, t3d_exec_t *ex, void *buf, size_t bytes, int root) {

@@ -176,8 +176,9 @@ t3d_result_t t3d__shm_barrier(t3d_exec_t *ex);
  * and finish no other operation may run on the communicator. They take the same steps as the queued versions, so
  * ranks may take either path.
  *   allreduce: oneshot_*, when oneshot_fits says the size qualifies and the half is free; who = -1.
- *   broadcast: bcast_*, when bcast_fits (one half; the root needs it free); the root is done after start; the
- *              others wait for who = root.
+ *   broadcast: bcast_*, when bcast_fits (one half; the root needs it free; single copy: any size in its range, every
+ *              rank needs the next half free); through the segment the root is done after start, the others wait
+ *              for who = root; single copy: the root waits for who = -1 (its readers' phase 1) too.
  *   barrier:   barrier_*; who = -1.
  *   allgatherv: gather_*, when gather_fits (every block fits one half or is in the single-copy range; the next
  *              half must be free); who = -1; counts and displacements in elements of es bytes. Single copy's
