@@ -119,16 +119,17 @@ void t3d__shm_direct_ranges(t3d_shm_t *s, int n, int cma) {
   s->bcast_direct_max = bcast ? (size_t)hi : 0;
 }
 
-int t3d__shm_use_direct(const t3d_shm_t *s, size_t block) {
-  return s->direct_min != 0 && block >= s->direct_min && block <= s->direct_max;
-}
+/* Whether x lies in a range rank 0 chose (min 0: the range is off). */
+static int in_range(size_t min, size_t max, size_t x) { return min != 0 && x >= min && x <= max; }
+
+int t3d__shm_use_direct(const t3d_shm_t *s, size_t block) { return in_range(s->direct_min, s->direct_max, block); }
 
 int t3d__shm_use_bcast_direct(const t3d_shm_t *s, size_t bytes) {
-  return s->bcast_direct_min != 0 && bytes >= s->bcast_direct_min && bytes <= s->bcast_direct_max;
+  return in_range(s->bcast_direct_min, s->bcast_direct_max, bytes);
 }
 
 int t3d__shm_use_a2a_direct(const t3d_shm_t *s, size_t block) {
-  return s->a2a_direct_min != 0 && block >= s->a2a_direct_min && block <= s->a2a_direct_max;
+  return in_range(s->a2a_direct_min, s->a2a_direct_max, block);
 }
 
 /* A transfer with rank p's memory (read_peer's or write_peer's), failing with ex->error set. */
