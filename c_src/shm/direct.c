@@ -94,7 +94,9 @@ int t3d__shm_cma_read(int self_pid, int pid, void *dst, uint64_t addr, size_t le
  * alltoall reads each block once, and single copy halves its bytes: it wins there from 32 KiB blocks for as long as
  * all n * n blocks together stay within 32 MiB, past which the kernel's copy (no non-temporal stores) loses
  * (measured, oversubscribed 2 cores: 8 ranks 1.4-1.5x faster for 32-512 KiB blocks, even at 1 MiB, slower at
- * 2 MiB; 4 ranks faster up to 2 MiB). docs/architecture.md, "Single copy". */
+ * 2 MiB; 4 ranks faster up to 2 MiB). Broadcasts (T3D_SHM_BCAST_DIRECT_BYTES) only with a core per rank: 32 KiB
+ * to 16 MiB on Intel's CPUs, 64 KiB to 2 MiB on others, where the kernel's slower copy loses from a few MiB
+ * (docs/benchmarks/broadcast-split-amd-2ranks.txt). docs/architecture.md, "Single copy". */
 void t3d__shm_direct_ranges(t3d_shm_t *s, int n, int cma) {
   int64_t lo = t3d__param_int(T3D_PARAM_SHM_DIRECT_BYTES);
   int64_t hi = t3d__param_int(T3D_PARAM_SHM_DIRECT_MAX_BYTES);
@@ -114,7 +116,11 @@ void t3d__shm_direct_ranges(t3d_shm_t *s, int n, int cma) {
   lo = t3d__param_int(T3D_PARAM_SHM_BCAST_DIRECT_BYTES);
   hi = t3d__param_int(T3D_PARAM_SHM_BCAST_DIRECT_MAX_BYTES);
   asked = t3d__param_is_set(T3D_PARAM_SHM_BCAST_DIRECT_BYTES);
-  int bcast = cma && lo > 0 && hi >= lo && (asked || (!over && !t3d__shm_llc_may_split()));
+  if (!asked && t3d__shm_llc_may_split()) { /* AMD: the segment's copies win again from a few MiB */
+    lo = T3D_SHM_BCAST_DIRECT_MIN_SPLIT;
+    if (!t3d__param_is_set(T3D_PARAM_SHM_BCAST_DIRECT_MAX_BYTES)) hi = T3D_SHM_BCAST_DIRECT_MAX_SPLIT;
+  }
+  int bcast = cma && lo > 0 && hi >= lo && (asked || !over);
   s->bcast_direct_min = bcast ? (size_t)lo : 0;
   s->bcast_direct_max = bcast ? (size_t)hi : 0;
 }

@@ -456,6 +456,10 @@ int t3d__shm_probe_bits(int pid, unsigned long long addr);
  * T3D_SHM_A2A_DIRECT_TOTAL (allgather: never). */
 #define T3D_SHM_A2A_DIRECT_MIN_OVERSUBSCRIBED (32 * 1024)
 #define T3D_SHM_A2A_DIRECT_TOTAL (32 * 1024 * 1024)
+/* Unset T3D_SHM_BCAST_DIRECT_BYTES / _MAX_BYTES on CPUs whose cores may sit on different L3s (AMD's): the single-copy
+ * broadcast's range there (docs/architecture.md, "Single copy"). */
+#define T3D_SHM_BCAST_DIRECT_MIN_SPLIT (64 * 1024)
+#define T3D_SHM_BCAST_DIRECT_MAX_SPLIT (2 * 1024 * 1024)
 /* Rank 0's choice of the single-copy ranges for the group of n ranks (cma: every rank can read the others'
  * memory), into s->direct_min .. s->a2a_direct_max. */
 void t3d__shm_direct_ranges(t3d_shm_t *s, int n, int cma);
