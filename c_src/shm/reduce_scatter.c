@@ -11,6 +11,7 @@ typedef struct {
   const size_t *counts;
   size_t es, total, maxc, P;
   int own_direct; /* the own block is folded straight from sendbuf (not copied into the half) */
+  int nt_out;     /* the fold writes the output with non-temporal stores */
 } rs_layout_t;
 
 /* Elements of each block one step carries: a line-aligned share of the half per owner. */
@@ -27,6 +28,7 @@ static void rs_layout(t3d_shm_t *s, const size_t *counts, t3d_dtype_t dt, int ow
   }
   l->P = rs_piece(s, l->es);
   l->own_direct = own_direct;
+  l->nt_out = 0;
 }
 
 /* An input of at most T3D_SHM_INLINE_DATA bytes travels whole in its rank's info line, as a small one-shot
@@ -78,7 +80,9 @@ static t3d_result_t rs_fold(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step_t *
       else if (rs_inline(l)) s->srcs[p] = t3d__shm_inline_data(s, p, st->h) + s->offs[me] * l->es;
       else s->srcs[p] = t3d__shm_half(s, p, st->h) + (size_t)me * l->P * l->es;
     }
-    t3d__shm_reduce_n(rb + lo * l->es, NULL, s->srcs, s->size, t3d__shm_min_sz(l->P, l->counts[me] - lo), dt, op, 0);
+    size_t m = t3d__shm_min_sz(l->P, l->counts[me] - lo);
+    if (l->nt_out) t3d__shm_reduce_n(NULL, rb + lo * l->es, s->srcs, s->size, m, dt, op, 1);
+    else t3d__shm_reduce_n(rb + lo * l->es, NULL, s->srcs, s->size, m, dt, op, 0);
   }
   t3d__shm_post(s, st->base + 2);
   return T3D_OK;
@@ -105,6 +109,13 @@ t3d_result_t t3d__shm_reduce_scatterv(t3d_exec_t *ex, const void *sendbuf, void 
   int ov = t3d__overlap(sb, total * es, rb, mine);
   rs_layout_t l;
   rs_layout(s, counts, dt, !ov || rb == sb + below * es, &l);
+  /* An output of at least T3D_SHM_NT_BYTES apart from the input takes non-temporal stores, as allreduce's and
+   * allgather's do: a plain store first reads each output line from memory. Measured (2 ranks, t3d_bench_c -o
+   * reduce_scatter, eight alternating rounds, medians): 8-128 MiB 0.74 of the time (64 MiB 11.2 -> 8.2 ms); a
+   * 4 MiB total (2 MiB output) was no faster. With more ranks than cores (8 on 2) no gain showed, so it is off
+   * there unless T3D_SHM_NT_BYTES is set. */
+  l.nt_out = !ov && s->nt && mine >= s->nt_min &&
+             (!t3d__oversubscribed() || t3d__param_is_set(T3D_PARAM_SHM_NT_BYTES));
   if (ov && rb != sb && rb != sb + below * es) {
     scratch = malloc(mine);
     if (scratch == NULL) return T3D_ERR_NO_MEMORY;
