@@ -17,7 +17,8 @@ typedef struct {
 /* Elements of each block one step carries: a line-aligned share of the half per owner. */
 static size_t rs_piece(const t3d_shm_t *s, size_t es) { return s->half / (size_t)s->size / 64 * 64 / es; }
 
-static void rs_layout(t3d_shm_t *s, const size_t *counts, t3d_dtype_t dt, int own_direct, rs_layout_t *l) {
+static void rs_layout(t3d_shm_t *s, const size_t *counts, t3d_dtype_t dt, int own_direct, int nt_out,
+                      rs_layout_t *l) {
   l->counts = counts;
   l->es = t3d_dtype_size(dt);
   l->total = l->maxc = 0;
@@ -28,7 +29,7 @@ static void rs_layout(t3d_shm_t *s, const size_t *counts, t3d_dtype_t dt, int ow
   }
   l->P = rs_piece(s, l->es);
   l->own_direct = own_direct;
-  l->nt_out = 0;
+  l->nt_out = nt_out;
 }
 
 /* An input of at most T3D_SHM_INLINE_DATA bytes travels whole in its rank's info line, as a small one-shot
@@ -80,9 +81,9 @@ static t3d_result_t rs_fold(t3d_shm_t *s, t3d_exec_t *ex, const t3d_shm_step_t *
       else if (rs_inline(l)) s->srcs[p] = t3d__shm_inline_data(s, p, st->h) + s->offs[me] * l->es;
       else s->srcs[p] = t3d__shm_half(s, p, st->h) + (size_t)me * l->P * l->es;
     }
-    size_t m = t3d__shm_min_sz(l->P, l->counts[me] - lo);
-    if (l->nt_out) t3d__shm_reduce_n(NULL, rb + lo * l->es, s->srcs, s->size, m, dt, op, 1);
-    else t3d__shm_reduce_n(rb + lo * l->es, NULL, s->srcs, s->size, m, dt, op, 0);
+    char *out = rb + lo * l->es; /* reduce_n's first destination takes plain stores, its second non-temporal ones */
+    t3d__shm_reduce_n(l->nt_out ? NULL : out, l->nt_out ? out : NULL, s->srcs, s->size,
+                      t3d__shm_min_sz(l->P, l->counts[me] - lo), dt, op, l->nt_out);
   }
   t3d__shm_post(s, st->base + 2);
   return T3D_OK;
@@ -107,15 +108,15 @@ t3d_result_t t3d__shm_reduce_scatterv(t3d_exec_t *ex, const void *sendbuf, void 
   /* Step k writes output [kP, (k+1)P) after reading every piece k: safe when the output is the input's start or
    * the own block (what is overwritten was read at step k or before). Other overlaps go through scratch. */
   int ov = t3d__overlap(sb, total * es, rb, mine);
-  rs_layout_t l;
-  rs_layout(s, counts, dt, !ov || rb == sb + below * es, &l);
   /* An output of at least T3D_SHM_NT_BYTES apart from the input takes non-temporal stores, as allreduce's and
    * allgather's do: a plain store first reads each output line from memory. Measured (2 ranks, t3d_bench_c -o
    * reduce_scatter, eight alternating rounds, medians): 8-128 MiB 0.74 of the time (64 MiB 11.2 -> 8.2 ms); a
    * 4 MiB total (2 MiB output) was no faster. With more ranks than cores (8 on 2) no gain showed, so it is off
    * there unless T3D_SHM_NT_BYTES is set. */
-  l.nt_out = !ov && s->nt && mine >= s->nt_min &&
-             (!t3d__oversubscribed() || t3d__param_is_set(T3D_PARAM_SHM_NT_BYTES));
+  int nt_out = !ov && s->nt && mine >= s->nt_min &&
+               (!t3d__oversubscribed() || t3d__param_is_set(T3D_PARAM_SHM_NT_BYTES));
+  rs_layout_t l;
+  rs_layout(s, counts, dt, !ov || rb == sb + below * es, nt_out, &l);
   if (ov && rb != sb && rb != sb + below * es) {
     scratch = malloc(mine);
     if (scratch == NULL) return T3D_ERR_NO_MEMORY;
@@ -146,7 +147,7 @@ t3d_result_t t3d__shm_rs_start(t3d_exec_t *ex, const void *sendbuf, const size_t
                                t3d_shm_resume_t *rs) {
   t3d_shm_t *s = t3d__exec_shm(ex);
   rs_layout_t l;
-  rs_layout(s, counts, dt, 1, &l);
+  rs_layout(s, counts, dt, 1, 0, &l);
   t3d_shm_step_t st;
   t3d__shm_step_begin(s, 2, &st);
   rs->h = st.h;
@@ -159,7 +160,7 @@ t3d_result_t t3d__shm_rs_finish(t3d_exec_t *ex, const t3d_shm_resume_t *rs, cons
                                 const size_t *counts, t3d_dtype_t dt, t3d_redop_t op) {
   t3d_shm_t *s = t3d__exec_shm(ex);
   rs_layout_t l;
-  rs_layout(s, counts, dt, 1, &l);
+  rs_layout(s, counts, dt, 1, 0, &l);
   t3d_shm_step_t st = {rs->h, rs->base, 0, 1};
   return rs_fold(s, ex, &st, &l, sendbuf, recvbuf, 0, dt, op);
 }
