@@ -4,8 +4,8 @@
  * writes slots (each with its message's sequence number, last), the receiver alone the ring's tail. A message of at
  * most `eager` bytes travels inside its slot; a longer one sends only a header naming the sender's buffer
  * (rendezvous), and the receiver copies it straight from the sender's memory with process_vm_readv (one copy;
- * cross-memory attach), then marks the sender's record for that message done. Receivers move messages that match no posted receive to a private
- * unexpected queue, so the sender's slots never wait for the receiver's program.
+ * cross-memory attach), then marks the sender's record for that message done. Receivers move messages that match
+ * no posted receive to a private unexpected queue, so the sender's slots never wait for the receiver's program.
  *
  * Who runs it: whoever holds `mu`. A send or receive is posted on the caller's thread at issue time and a pass
  * runs at once (an eager send completes there); t3d_test, t3d_wait and t3d_request_poll run passes while a caller
@@ -13,16 +13,20 @@
  * queued sends still enter a ring, and timeouts and aborts still fire, when nobody waits. Requests complete after
  * `mu` is dropped: a completion callback may issue new operations.
  *
+ * Long messages, when the group has staging areas, travel through the pair's area instead, two copies pipelined
+ * (stage.c); the receiver chooses that way when it takes the record, and can still finish alone.
+ *
  * Ordering: all point-to-point between two ranks of such a communicator takes this path, in issue order per pair
  * (a send that finds its ring full, or no free record, waits in a per-peer queue and later sends queue behind it).
  * A message matches the oldest posted receive that accepts its source and tag; a receive first looks at the
  * unexpected queue, oldest first. */
-#include "shm.h"
+#include "p2p_state.h"
 
 #include <errno.h>
 #include <limits.h>
 #include <linux/futex.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -31,128 +35,34 @@
 #include <time.h>
 #include <unistd.h>
 
-enum { MSG_EAGER = 1, MSG_RENDEZVOUS = 2 };
-/* A record's word: generation << 2 | state. The sender moves IDLE -> POSTED before it publishes the header and
- * back to IDLE (with CAS) to cancel; the receiver moves POSTED -> READING (CAS) -> DONE. */
-enum { REC_IDLE = 0, REC_POSTED = 1, REC_READING = 2, REC_DONE = 3 };
-#define REC_WORD(gen, st) (((gen) << 2) | (uint64_t)(st))
 /* How often a pass reads the clock for deadlines and lost peers (pass). */
 enum { PASSES_PER_CLOCK = 16 };
-
-/* A slot's first line. The receiver learns that a message arrived from `seq` alone, in the same line as the header
- * and a short message's payload: one line crosses between the cores per small message (docs/architecture.md,
- * "Point-to-point on one host", has the measurements). */
-typedef struct slot_hdr {
-  _Atomic uint64_t seq; /* i + 1 once the slot holds the ring's message i (the sender's release store, last) */
-  uint64_t len;         /* the message's length */
-  int32_t tag;          /* tags are below 2^30 (T3D_MAX_TAG) */
-  uint32_t kind;
-  int32_t pid;  /* rendezvous: the sender's process */
-  uint32_t rec; /* rendezvous: the sender's record */
-  union {
-    struct {
-      uint64_t addr; /* rendezvous: the sender's buffer, in the sender's address space */
-      uint64_t gen;  /* rendezvous: the record's generation */
-      uint64_t mkey; /* rendezvous from t3d memory (mem.c): the allocation's key and the buffer's offset; else 0 */
-      uint64_t moff;
-    };
-    unsigned char inline_data[32]; /* an eager message of at most SLOT_INLINE bytes; longer ones follow the line */
-  };
-} slot_hdr_t;
-_Static_assert(sizeof(slot_hdr_t) == 64, "a slot header is one cache line");
-#define SLOT_INLINE sizeof(((slot_hdr_t *)0)->inline_data)
-
 /* The receiver's side of a ring. The sender reads `tail` only when its own count says the ring may be full. */
 typedef struct ring_ctl {
   _Atomic uint64_t tail; /* messages consumed (receiver) */
   char pad[56];
 } ring_ctl_t;
 
-/* Each rank's doorbell: a waiter with nothing left to do sleeps on `bell` (futex); a rank that publishes a message
- * to it, finishes reading its rendezvous message or frees room in its ring rings the bell when `sleepers` says
- * someone sleeps. */
-typedef struct bell {
-  _Atomic uint32_t bell;
-  _Atomic uint32_t sleepers;
-  char pad[56];
-} bell_t;
-
-/* A message that arrived before a receive for it. */
-typedef struct unexp {
-  int src;
-  slot_hdr_t h;
-  void *data; /* eager: a private copy of the payload */
-  struct unexp *next;
-} unexp_t;
-
-struct t3d_shm_p2p {
-  t3d_comm_t *comm;
-  t3d_shm_t *shm;         /* the peers' process ids and how often to check them */
-  uint64_t alive_checked; /* when the requests' peers were last checked */
-  unsigned unclocked;     /* passes since the last one that read the clock */
-  int rank, size, pid;
-  char *region; /* records, then rings */
-  size_t eager, slot_bytes, ring_bytes;
-  unsigned slots;
-  pthread_mutex_t mu;
-  atomic_int active; /* requests posted and not completed */
-  /* Sender side. */
-  t3d_request_t **sendq_head, **sendq_tail; /* per peer: sends not yet in the ring, oldest first */
-  int queued;                               /* sends in those queues */
-  uint64_t *head;                           /* per peer: messages this rank published to it */
-  uint64_t *tail_seen;                      /* per peer: its ring's tail when this rank last read it */
-  t3d_request_t *rdv;                       /* rendezvous sends awaiting the reader */
-  uint64_t *rec_gen;                        /* per record: its generation */
-  uint32_t *free_recs;
-  int nfree;
-  /* Receiver side. */
-  t3d_request_t *recvs, *recvs_tail; /* posted receives, oldest first */
-  int *want;                         /* posted receives per source */
-  int want_any;                      /* posted any-source receives */
-  uint64_t *tail;                    /* per peer: messages of it consumed */
-  unexp_t *unexp, *unexp_tail;
-};
-
-/* Region layout: n bells, n x T3D_SHM_P2P_RECORDS records, n x n rings (receiver-major). */
-static size_t records_at(int n) { return (size_t)n * sizeof(bell_t); }
-static size_t rings_at(int n) {
-  return (records_at(n) + (size_t)n * T3D_SHM_P2P_RECORDS * sizeof(uint64_t) + 63) / 64 * 64;
-}
-
-static bell_t *bell(const t3d_shm_p2p_t *p, int owner) {
-  return (bell_t *)(void *)(p->region + (size_t)owner * sizeof(bell_t));
-}
-
-static _Atomic uint64_t *record(const t3d_shm_p2p_t *p, int owner, uint32_t i) {
-  return (_Atomic uint64_t *)(void *)(p->region + records_at(p->size) +
-                                      ((size_t)owner * T3D_SHM_P2P_RECORDS + i) * sizeof(uint64_t));
-}
+/* Staging areas (stage.c) follow the rings, from a page. */
+static size_t stages_at(size_t rings_end) { return (rings_end + 4095) / 4096 * 4096; }
 
 static char *ring(const t3d_shm_p2p_t *p, int src, int dst) {
   return p->region + rings_at(p->size) + ((size_t)dst * (size_t)p->size + (size_t)src) * p->ring_bytes;
-}
-
-/* After publishing something rank q may wait for: wake it if it sleeps. The fence pairs with the one in
- * t3d__shm_p2p_sleep: either the sleeper's check sees what was published, or this load sees the sleeper. */
-static void ring_bell(const t3d_shm_p2p_t *p, int q) {
-  bell_t *b = bell(p, q);
-  atomic_thread_fence(memory_order_seq_cst);
-  if (atomic_load_explicit(&b->sleepers, memory_order_relaxed) == 0) return;
-  atomic_fetch_add_explicit(&b->bell, 1, memory_order_relaxed);
-  syscall(SYS_futex, (void *)&b->bell, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
 }
 
 static slot_hdr_t *slot(const t3d_shm_p2p_t *p, char *r, uint64_t i) {
   return (slot_hdr_t *)(void *)(r + sizeof(ring_ctl_t) + (size_t)(i % p->slots) * p->slot_bytes);
 }
 
-size_t t3d__shm_p2p_bytes(int n, size_t eager, unsigned slots) {
+size_t t3d__shm_p2p_bytes(int n, size_t eager, unsigned slots, size_t stage) {
   if (slots == 0) return 0;
   size_t ring_bytes = sizeof(ring_ctl_t) + (size_t)slots * (sizeof(slot_hdr_t) + eager);
-  return rings_at(n) + (size_t)n * (size_t)n * ring_bytes;
+  size_t rings_end = rings_at(n) + (size_t)n * (size_t)n * ring_bytes;
+  if (stage == 0 || n < 2) return rings_end;
+  return stages_at(rings_end) + t3d__shm_stage_bytes(n, stage);
 }
 
-void t3d__shm_p2p_sizes(int n, size_t *eager, unsigned *slots) {
+void t3d__shm_p2p_sizes(int n, size_t *eager, unsigned *slots, size_t *stage) {
   /* 8 slots per pair; the eager size shrinks with the number of pairs, so that the rings of a communicator stay
    * near 4 MiB (8 ranks: 4 KiB messages go eagerly; 64 ranks: 64 bytes). */
   *slots = 8;
@@ -167,10 +77,11 @@ void t3d__shm_p2p_sizes(int n, size_t *eager, unsigned *slots) {
   e = e / 64 * 64;
   if (e > (1u << 20)) e = 1u << 20;
   *eager = e;
+  *stage = t3d__shm_stage_size(n);
 }
 
 static t3d_result_t p2p_new(t3d_comm_t *comm, t3d_shm_t *s, char *region, size_t eager, unsigned slots,
-                           t3d_shm_p2p_t **out) {
+                           size_t stage_bytes, t3d_shm_p2p_t **out) {
   *out = NULL;
   t3d_shm_p2p_t *p = calloc(1, sizeof *p);
   if (p == NULL) return T3D_ERR_NO_MEMORY;
@@ -185,6 +96,12 @@ static t3d_result_t p2p_new(t3d_comm_t *comm, t3d_shm_t *s, char *region, size_t
   p->slots = slots;
   p->slot_bytes = sizeof(slot_hdr_t) + eager;
   p->ring_bytes = sizeof(ring_ctl_t) + (size_t)slots * p->slot_bytes;
+  if (stage_bytes > 0 && n > 1) {
+    p->stages = region + stages_at(rings_at(n) + (size_t)n * (size_t)n * p->ring_bytes);
+    p->stage_chunk = stage_bytes / T3D_STAGE_SLOTS;
+    int64_t m = t3d__param_int(T3D_PARAM_SHM_P2P_STAGE_MIN_BYTES);
+    p->stage_min = m <= 0 ? 1 : (size_t)m;
+  }
   pthread_mutex_init(&p->mu, NULL);
   atomic_init(&p->active, 0);
   p->sendq_head = calloc((size_t)n, sizeof *p->sendq_head);
@@ -264,13 +181,6 @@ static void fail(t3d_shm_p2p_t *p, done_list_t *d, t3d_request_t *r, t3d_result_
            r->kind == T3D_OP_SEND ? "send to" : "recv from", peer, c->name, c->rank, (long long)r->tag,
            fail_verb(res), (long long)r->timeout_ms);
   finish(p, d, r, res, msg);
-}
-
-/* Peer q's process id when its process has exited, else 0. */
-static int32_t peer_gone(const t3d_shm_p2p_t *p, int q) {
-  if (q < 0 || q >= p->size || q == p->rank) return 0;
-  int32_t pid = atomic_load_explicit(t3d__shm_pid(p->shm, q), memory_order_acquire);
-  return pid > 0 && pid != (int32_t)p->pid && t3d__shm_process_gone(pid) ? pid : 0;
 }
 
 static void fail_lost(t3d_shm_p2p_t *p, done_list_t *d, t3d_request_t *r, int32_t pid) {
@@ -424,13 +334,15 @@ static void deliver(t3d_shm_p2p_t *p, done_list_t *d, t3d_request_t *r, int src,
   if (h->kind == MSG_RENDEZVOUS) {
     _Atomic uint64_t *w = record(p, src, h->rec);
     uint64_t expect = REC_WORD(h->gen, REC_POSTED);
+    int staged = !too_long && p->stages != NULL && h->mkey == 0 && src != p->rank && n >= p->stage_min;
+    if (staged) t3d__shm_stage_open(p, src, h, n);
     if (!atomic_compare_exchange_strong(w, &expect, REC_WORD(h->gen, REC_READING))) {
       snprintf(msg, sizeof msg, "t3d: recv from rank %d on group '%s' (rank %d, tag %lld): the sender gave the "
                "message up (its send timed out or was aborted)", src, c->name, c->rank, (long long)r->tag);
       finish(p, d, r, T3D_ERR_ABORTED, msg);
       return;
     }
-    int err = too_long ? 0 : read_remote(p, h, r->recvbuf, n);
+    int err = too_long ? 0 : staged ? t3d__shm_stage_read(p, src, h, r->recvbuf, n) : read_remote(p, h, r->recvbuf, n);
     atomic_store_explicit(w, REC_WORD(h->gen, REC_DONE), memory_order_release);
     ring_bell(p, src);
     if (err != 0) {
@@ -611,6 +523,7 @@ static void expire(t3d_shm_p2p_t *p, done_list_t *d, uint64_t now, int aborted) 
 static int pass(t3d_shm_p2p_t *p, done_list_t *d, uint64_t now) {
   int before = atomic_load_explicit(&p->active, memory_order_relaxed);
   if (p->queued > 0) drain_sendq(p, d);
+  if (p->stages != NULL && p->rdv != NULL) t3d__shm_stage_sends(p);
   if (p->want_any > 0) {
     for (int i = 0; i < p->size; i++) scan_ring(p, d, (p->rank + i) % p->size);
   } else if (p->recvs != NULL) {
@@ -674,7 +587,7 @@ int t3d__shm_p2p_progress(t3d_shm_p2p_t *p) {
 t3d_result_t t3d__shm_p2p_attach(t3d_comm_t *comm, t3d_shm_t *shm, t3d_shm_p2p_t **out) {
   *out = NULL;
   if (shm == NULL || !shm->p2p_ok || shm->p2p_slots == 0) return T3D_OK;
-  t3d_result_t res = p2p_new(comm, shm, shm->p2p_region, shm->p2p_eager, shm->p2p_slots, out);
+  t3d_result_t res = p2p_new(comm, shm, shm->p2p_region, shm->p2p_eager, shm->p2p_slots, shm->p2p_stage, out);
   if (res != T3D_OK) return t3d__set_error(comm, res, "t3d_comm_init: out of memory for point-to-point state");
   shm->p2p = *out;
   return T3D_OK;

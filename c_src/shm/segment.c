@@ -37,8 +37,8 @@ static size_t data_end(int n, size_t half) {
          (size_t)n * T3D_SHM_SMALL_SLOTS * T3D_SHM_SMALL_BYTES;
 }
 
-static size_t layout_bytes(int n, size_t half, size_t p2p_eager, unsigned p2p_slots) {
-  return data_end(n, half) + round_up(t3d__shm_p2p_bytes(n, p2p_eager, p2p_slots), T3D_SHM_PAGE);
+static size_t layout_bytes(int n, size_t half, size_t p2p_eager, unsigned p2p_slots, size_t p2p_stage) {
+  return data_end(n, half) + round_up(t3d__shm_p2p_bytes(n, p2p_eager, p2p_slots, p2p_stage), T3D_SHM_PAGE);
 }
 
 static void layout(t3d_shm_t *s) {
@@ -57,8 +57,9 @@ static t3d_result_t create_segment(t3d_comm_t *comm, t3d_shm_t *s, size_t rank_b
   if (half < 64 * 1024) half = 64 * 1024;
   size_t eager = 0;
   unsigned slots = 0;
-  t3d__shm_p2p_sizes(s->size, &eager, &slots);
-  size_t total = layout_bytes(s->size, half, eager, slots);
+  size_t stage = 0;
+  t3d__shm_p2p_sizes(s->size, &eager, &slots, &stage);
+  size_t total = layout_bytes(s->size, half, eager, slots, stage);
   int fd = -1;
   for (int attempt = 0; attempt < 8 && fd < 0; attempt++) {
     snprintf(s->name, sizeof s->name, "/t3d-%d-%u-%08x", (int)getpid(), atomic_fetch_add(&segment_counter, 1),
@@ -101,8 +102,10 @@ static t3d_result_t create_segment(t3d_comm_t *comm, t3d_shm_t *s, size_t rank_b
   hdr->total = total;
   hdr->p2p_eager = eager;
   hdr->p2p_slots = slots;
+  hdr->p2p_stage = stage;
   s->p2p_eager = eager;
   s->p2p_slots = slots;
+  s->p2p_stage = stage;
   hdr->magic = T3D_SHM_MAGIC; /* published to the others through the store, which orders it */
   layout(s);
   return T3D_OK;
@@ -137,14 +140,16 @@ static t3d_result_t attach_segment(t3d_shm_t *s, char *err, size_t errlen) {
   s->map_bytes = total;
   const t3d_shm_header_t *hdr = (const t3d_shm_header_t *)(const void *)s->base;
   if (hdr->magic != T3D_SHM_MAGIC || hdr->nranks != (uint64_t)s->size || hdr->total != total ||
-      hdr->p2p_slots > 1024 || hdr->p2p_eager > (1u << 20) ||
-      layout_bytes(s->size, (size_t)hdr->half, (size_t)hdr->p2p_eager, (unsigned)hdr->p2p_slots) != total) {
+      hdr->p2p_slots > 1024 || hdr->p2p_eager > (1u << 20) || hdr->p2p_stage > ((uint64_t)16 << 20) ||
+      layout_bytes(s->size, (size_t)hdr->half, (size_t)hdr->p2p_eager, (unsigned)hdr->p2p_slots,
+                   (size_t)hdr->p2p_stage) != total) {
     snprintf(err, errlen, "segment %s does not hold a %d-rank t3d layout", s->name, s->size);
     return T3D_ERR_SYSTEM;
   }
   s->half = (size_t)hdr->half;
   s->p2p_eager = (size_t)hdr->p2p_eager;
   s->p2p_slots = (unsigned)hdr->p2p_slots;
+  s->p2p_stage = (size_t)hdr->p2p_stage;
   layout(s);
   return T3D_OK;
 }

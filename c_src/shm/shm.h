@@ -25,9 +25,10 @@
  *   small    per rank T3D_SHM_SMALL_SLOTS slots of T3D_SHM_SMALL_BYTES: small broadcasts use them in turn instead of
  *            the halves, so that a root may run that many broadcasts ahead of its slowest reader
  *   p2p      point-to-point (p2p.c): per rank T3D_SHM_P2P_RECORDS rendezvous records, then one ring of slots per
- *            ordered pair (sender, receiver)
+ *            ordered pair (sender, receiver), then (when p2p_stage is not 0) one staging area per ordered pair of
+ *            two ranks
  * A rank writes only its own flag, info lines and halves (and, in p2p, what p2p.c says). */
-#define T3D_SHM_MAGIC 0x3630304d48534433ull /* "3DSHM006" */
+#define T3D_SHM_MAGIC 0x3730304d48534433ull /* "3DSHM007" */
 #define T3D_SHM_SMALL_SLOTS 16
 #define T3D_SHM_SMALL_BYTES 16384
 /* A multiple of 128 bytes, so that no rank's flag line shares a prefetched pair of lines with another rank's. */
@@ -46,6 +47,7 @@ typedef struct t3d_shm_header {
   uint64_t total;
   uint64_t p2p_eager; /* point-to-point: bytes a slot carries (p2p.c) */
   uint64_t p2p_slots; /* slots per ring */
+  uint64_t p2p_stage; /* bytes of each ordered pair's staging area (0: none) */
   /* The first rank whose operation broke the communicator tells the others here (t3d__shm_report_failure): it
    * claims `failed` (its rank + 1), writes its result code and error text, then sets `failed_ready`. Waits read
    * `failed` now and then (t3d__shm_wait_line, t3d__shm_wait_each) and fail with that rank's error. */
@@ -101,6 +103,7 @@ struct t3d_shm {
   char *p2p_region;   /* point-to-point rings and records (p2p.c) */
   size_t p2p_eager;
   unsigned p2p_slots;
+  size_t p2p_stage;
   int p2p_ok;         /* every rank can use the region (cross-memory attach works, T3D_SHM_P2P is not 0) */
   size_t direct_min;  /* allgatherv blocks of direct_min to direct_max bytes are read straight from the owner's
                        * buffer (direct.c, "single copy"); 0: never (rank 0's choice for all) */
@@ -522,8 +525,8 @@ t3d_result_t t3d__shm_mapped_broadcast(t3d_shm_t *s, t3d_exec_t *ex, void *buf, 
 /* ---------- point-to-point (p2p.c) ---------- */
 #define T3D_SHM_P2P_RECORDS 256u
 /* Bytes of the point-to-point region for n ranks, and rank 0's choice of its sizes. */
-size_t t3d__shm_p2p_bytes(int n, size_t eager, unsigned slots);
-void t3d__shm_p2p_sizes(int n, size_t *eager, unsigned *slots);
+size_t t3d__shm_p2p_bytes(int n, size_t eager, unsigned slots, size_t stage);
+void t3d__shm_p2p_sizes(int n, size_t *eager, unsigned *slots, size_t *stage);
 
 /* ---------- copy and reduce loops (copy.c) ---------- */
 /* Nonzero when a non-temporal store path exists on this CPU (AVX-512F or AVX). */

@@ -167,9 +167,10 @@ struct ChildArgs {
     }
     _exit(code);
   }
-  // Point-to-point between processes: a ring shift of a small message (it travels inside a shared-memory slot) and
-  // of a 1 MiB one (the receiver reads it from the sender's process: process_vm_readv).
-  for (size_t n : {size_t{3}, size_t{1} << 18}) {
+  // Point-to-point between processes: a ring shift of a small message (it travels inside a shared-memory slot), of
+  // a 1 MiB one (the receiver reads it from the sender's process: process_vm_readv) and of a 16 MiB one (through
+  // the pair's staging area, chunks the receiver reads itself when none is staged).
+  for (size_t n : {size_t{3}, size_t{1} << 18, (size_t{1} << 22) + 5}) {
     std::vector<float> sbuf(n), rbuf(n);
     const int next = (a.rank + 1) % kWorld, prev = (a.rank + kWorld - 1) % kWorld;
     for (int it = 0; it < 5; ++it) {

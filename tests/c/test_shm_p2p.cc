@@ -1,8 +1,8 @@
 // test_shm_p2p.cc: point-to-point between ranks of one host (c_src/shm/p2p.c): more messages than a ring holds
 // before any receive exists, order between messages that travel in a slot and ones read from the sender's buffer,
 // any-source receives over both, a rendezvous send nobody receives (timeout, then the late receive is told), a
-// receive that times out, and an abort that ends a blocked receive. Ranks are threads here; test_fork covers
-// processes (process_vm_readv).
+// receive that times out, an abort that ends a blocked receive, and long messages through the staging areas
+// (c_src/shm/stage.c). Ranks are threads here; test_fork covers processes (process_vm_readv).
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -234,6 +234,94 @@ TEST(ShmP2P, AbortEndsBlockedReceive) {
     aborter.join();
     t3d_request_free(q);
   }, opts);
+}
+
+// Long messages through the pairs' staging areas (from T3D_SHM_P2P_STAGE_MIN_BYTES, 4 MiB): a ring shift of 3
+// ranks over sizes that end in a partial chunk, in both directions in turn, then one-way messages whose receive is
+// posted late (the message waits in the unexpected queue), whose sender leaves its send alone for a while (the
+// receiver must read the chunks itself), and one received truncated (only its head is read; the next message on
+// the pair must still arrive whole). Each element names its sender, message and index.
+float StagedValue(int from, int msg, size_t i) {
+  return static_cast<float>(from * 1000003 + msg * 7919 + static_cast<int>(i % 1000081));
+}
+
+::testing::AssertionResult StagedArrived(const std::vector<float> &in, int from, int msg, size_t n) {
+  for (size_t i = 0; i < n; ++i)
+    if (in[i] != StagedValue(from, msg, i))
+      return ::testing::AssertionFailure() << "message " << msg << " from rank " << from << ", element " << i
+                                           << " of " << n << ": got " << in[i] << ", expected "
+                                           << StagedValue(from, msg, i);
+  for (size_t i = n; i < in.size(); ++i)
+    if (in[i] != -1.0f) return ::testing::AssertionFailure() << "message " << msg << " wrote element " << i;
+  return ::testing::AssertionSuccess();
+}
+
+std::vector<float> StagedMessage(int from, int msg, size_t n) {
+  std::vector<float> v(n);
+  for (size_t i = 0; i < n; ++i) v[i] = StagedValue(from, msg, i);
+  return v;
+}
+
+TEST(ShmP2P, StagedRingShiftAndOneWay) {
+  const int n = 3;
+  RunRanks(n, [n](int rank, t3d_comm_t *comm) {
+    SkipUnlessShm(comm);
+    const size_t sizes[] = {(size_t{1} << 20) + 7, (size_t{1} << 22) + 13, size_t{3} << 20, (size_t{1} << 20) + 1};
+    int msg = 0;
+    for (size_t cnt : sizes) {
+      for (int dir = 1; dir <= 2; ++dir, ++msg) {  // to the next rank, then to the previous one
+        const int to = (rank + dir) % n, from = (rank + n * 2 - dir) % n;
+        std::vector<float> out = StagedMessage(rank, msg, cnt), in(cnt + 5, -1.0f);
+        t3d_request_t *rq = nullptr, *sq = nullptr;
+        T3D_ASSERT_OK(comm, t3d_recv(comm, in.data(), in.size(), T3D_FLOAT32, from, msg, nullptr, &rq));
+        T3D_ASSERT_OK(comm, t3d_send(comm, out.data(), cnt, T3D_FLOAT32, to, msg, nullptr, &sq));
+        std::string err;
+        ASSERT_EQ(Finish(sq, &err), T3D_OK) << Tag(rank, "send " + std::to_string(msg)) << ": " << err;
+        ASSERT_EQ(t3d_wait(rq, TestTimeoutMs()), T3D_OK) << Tag(rank, t3d_request_error(rq));
+        EXPECT_EQ(t3d_request_count(rq), cnt);
+        t3d_request_free(rq);
+        EXPECT_TRUE(StagedArrived(in, from, msg, cnt)) << Tag(rank, "ring shift");
+      }
+    }
+    // One way, rank 0 to rank 1 (rank 2 idles): a late receive, an idle sender, a truncated receive, then a whole
+    // message again.
+    const size_t cnt = (size_t{1} << 21) + 3;
+    if (rank == 0) {
+      std::vector<std::vector<float>> outs;
+      for (int m = 0; m < 4; ++m) outs.push_back(StagedMessage(0, 100 + m, cnt));
+      t3d_request_t *q = nullptr;
+      T3D_ASSERT_OK(comm, t3d_send(comm, outs[0].data(), cnt, T3D_FLOAT32, 1, 100, nullptr, &q));
+      if (!HostBarrier()) return;  // rank 1 posts its receive only after this
+      EXPECT_EQ(Finish(q), T3D_OK) << Tag(rank, "late receive");
+      T3D_ASSERT_OK(comm, t3d_send(comm, outs[1].data(), cnt, T3D_FLOAT32, 1, 101, nullptr, &q));
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));  // no waits, no passes of this thread
+      EXPECT_EQ(Finish(q), T3D_OK) << Tag(rank, "idle sender");
+      for (int m = 2; m < 4; ++m) {
+        T3D_ASSERT_OK(comm, t3d_send(comm, outs[m].data(), cnt, T3D_FLOAT32, 1, 100 + m, nullptr, &q));
+        EXPECT_EQ(Finish(q), T3D_OK) << Tag(rank, "message " + std::to_string(100 + m));
+      }
+    } else if (rank == 1) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));  // the message arrives before any receive
+      if (!HostBarrier()) return;
+      for (int m = 0; m < 4; ++m) {
+        std::vector<float> in(cnt + 5, -1.0f);
+        t3d_opts_t o{};
+        size_t cap = in.size();
+        if (m == 2) {
+          o.flags = T3D_FLAG_RECV_TRUNCATE;
+          cap = cnt / 3;
+        }
+        t3d_request_t *q = nullptr;
+        T3D_ASSERT_OK(comm, t3d_recv(comm, in.data(), cap, T3D_FLOAT32, 0, 100 + m, &o, &q));
+        ASSERT_EQ(t3d_wait(q, TestTimeoutMs()), T3D_OK) << Tag(rank, t3d_request_error(q));
+        EXPECT_EQ(t3d_request_count(q), cnt) << Tag(rank, "message " + std::to_string(100 + m));
+        t3d_request_free(q);
+        EXPECT_TRUE(StagedArrived(in, 0, 100 + m, m == 2 ? cap : cnt)) << Tag(rank, "one way");
+      }
+    } else {
+      if (!HostBarrier()) return;
+    }
+  });
 }
 
 }  // namespace
