@@ -183,12 +183,13 @@ static void fail(t3d_shm_p2p_t *p, done_list_t *d, t3d_request_t *r, t3d_result_
   finish(p, d, r, res, msg);
 }
 
-static void fail_lost(t3d_shm_p2p_t *p, done_list_t *d, t3d_request_t *r, int32_t pid) {
+/* Request r with peer q (its root, or an any-source receive's sender) failed: q's process pid has exited. */
+static void fail_lost(t3d_shm_p2p_t *p, done_list_t *d, t3d_request_t *r, int q, int32_t pid) {
   char msg[512];
   t3d_comm_t *c = p->comm;
   snprintf(msg, sizeof msg, "t3d: %s rank %d on group '%s' (rank %d, tag %lld) lost rank %d: its process (pid %d) "
-           "has exited", r->kind == T3D_OP_SEND ? "send to" : "recv from", r->root, c->name, c->rank,
-           (long long)r->tag, r->root, (int)pid);
+           "has exited", r->kind == T3D_OP_SEND ? "send to" : "recv from", q, c->name, c->rank,
+           (long long)r->tag, q, (int)pid);
   finish(p, d, r, T3D_ERR_PEER_LOST, msg);
 }
 
@@ -345,6 +346,10 @@ static void deliver(t3d_shm_p2p_t *p, done_list_t *d, t3d_request_t *r, int src,
     int err = too_long ? 0 : staged ? t3d__shm_stage_read(p, src, h, r->recvbuf, n) : read_remote(p, h, r->recvbuf, n);
     atomic_store_explicit(w, REC_WORD(h->gen, REC_DONE), memory_order_release);
     ring_bell(p, src);
+    if (err == ESRCH) { /* the sender's process is gone or exiting (its memory already torn down) */
+      fail_lost(p, d, r, src, h->pid);
+      return;
+    }
     if (err != 0) {
       snprintf(msg, sizeof msg, "t3d: recv from rank %d on group '%s' (rank %d, tag %lld): reading %zu bytes from "
                "the sender's memory (process_vm_readv) failed: %s; set T3D_SHM_P2P=0 to send point-to-point "
@@ -459,7 +464,7 @@ static void fail_lost_peers(t3d_shm_p2p_t *p, done_list_t *d, uint64_t now) {
       continue;
     }
     unlink_recv(p, l, prev);
-    fail_lost(p, d, r, pid);
+    fail_lost(p, d, r, r->root, pid);
   }
   for (int q = 0; q < p->size && p->queued > 0; q++) {
     if (p->sendq_head[q] == NULL || (pid = peer_gone(p, q)) == 0) continue;
@@ -467,7 +472,7 @@ static void fail_lost_peers(t3d_shm_p2p_t *p, done_list_t *d, uint64_t now) {
       t3d_request_t *r = p->sendq_head[q];
       p->sendq_head[q] = r->next;
       p->queued--;
-      fail_lost(p, d, r, pid);
+      fail_lost(p, d, r, r->root, pid);
     }
     p->sendq_tail[q] = NULL;
   }
@@ -483,7 +488,7 @@ static void fail_lost_peers(t3d_shm_p2p_t *p, done_list_t *d, uint64_t now) {
     atomic_store_explicit(w, REC_WORD(r->shm_gen, REC_IDLE), memory_order_release);
     *l = r->next;
     p->free_recs[p->nfree++] = r->shm_rec;
-    fail_lost(p, d, r, pid);
+    fail_lost(p, d, r, r->root, pid);
   }
 }
 

@@ -65,8 +65,9 @@ void Report(int fd, int rank, const char *fmt, ...) {
 enum class Death { kNone, kSelfKill, kParentKill };
 // What the children's loop runs: allreduces, or collectives that read large buffers straight from the other ranks'
 // processes (single copy): allgathers of 400 kB blocks, or 400 kB broadcasts from rank 0 (the root writes part of
-// each reader's buffer, the readers read the rest).
-enum class Loop { kAllreduce, kAllgather, kBroadcast };
+// each reader's buffer, the readers read the rest); or a ring shift of 4 MiB messages, which travel through the
+// pairs' staging areas (c_src/shm/stage.c).
+enum class Loop { kAllreduce, kAllgather, kBroadcast, kSendRecv };
 
 struct ChildArgs {
   int rank;
@@ -106,9 +107,11 @@ struct ChildArgs {
     _exit(kExitInit);
   }
   const bool gather = a.loop == Loop::kAllgather, bcast = a.loop == Loop::kBroadcast;
-  const size_t count = a.loop == Loop::kAllreduce ? 4096 : 100000;  // 400 kB blocks
+  const bool p2p = a.loop == Loop::kSendRecv;
+  const size_t count = a.loop == Loop::kAllreduce ? 4096 : p2p ? (size_t{1} << 20) + 3 : 100000;  // 400 kB blocks
   std::vector<float> in(count), out(gather ? count * kWorld : count);
-  const char *opname = gather ? "allgather" : bcast ? "broadcast" : "allreduce";
+  const char *opname = gather ? "allgather" : bcast ? "broadcast" : p2p ? " rank " : "allreduce";
+  const int next = (a.rank + 1) % kWorld, prev = (a.rank + kWorld - 1) % kWorld;
   const int max_iters = a.death == Death::kNone ? 50 : 1000000;
   const auto loop_start = Clock::now();
   for (int it = 0; it < max_iters; ++it) {
@@ -122,9 +125,20 @@ struct ChildArgs {
     t3d_request_t *req = nullptr;
     const auto t0 = Clock::now();
     if (bcast) out = a.rank == 0 ? in : std::vector<float>(count, -1.0f);
-    r = gather ? t3d_allgather(comm, in.data(), out.data(), count, T3D_FLOAT32, nullptr, &req)
-        : bcast ? t3d_broadcast(comm, out.data(), count, T3D_FLOAT32, 0, nullptr, &req)
-               : t3d_allreduce(comm, in.data(), out.data(), count, T3D_FLOAT32, T3D_SUM, nullptr, &req);
+    if (p2p) {  // the send first, then the receive; req: the one whose wait failed
+      t3d_request_t *rq = nullptr;
+      r = t3d_recv(comm, out.data(), count, T3D_FLOAT32, prev, it, nullptr, &rq);
+      if (r == T3D_OK) r = t3d_send(comm, in.data(), count, T3D_FLOAT32, next, it, nullptr, &req);
+      if (r == T3D_OK) r = t3d_wait(req, 10 * kCommTimeoutMs);
+      if (r == T3D_OK) {
+        t3d_request_free(req);
+        req = rq;
+      }
+    } else {
+      r = gather ? t3d_allgather(comm, in.data(), out.data(), count, T3D_FLOAT32, nullptr, &req)
+          : bcast ? t3d_broadcast(comm, out.data(), count, T3D_FLOAT32, 0, nullptr, &req)
+                 : t3d_allreduce(comm, in.data(), out.data(), count, T3D_FLOAT32, T3D_SUM, nullptr, &req);
+    }
     if (r == T3D_OK) r = t3d_wait(req, 10 * kCommTimeoutMs);
     const int64_t took = MsSince(t0);
     if (r == T3D_OK) {
@@ -133,7 +147,8 @@ struct ChildArgs {
         const int five = static_cast<int>(i % count % 5);
         const float want = gather ? static_cast<float>(static_cast<int>(i / count) + 1 + five)
                            : bcast ? static_cast<float>(1 + five)
-                                    : static_cast<float>(kWorld * (kWorld + 1) / 2 + kWorld * five);
+                           : p2p  ? static_cast<float>(prev + 1 + five)
+                                  : static_cast<float>(kWorld * (kWorld + 1) / 2 + kWorld * five);
         if (out[i] != want) {
           Report(a.report_fd, a.rank, "iteration %d element %zu: got %g expected %g", it, i, out[i], want);
           _exit(kExitWrongResult);
@@ -172,7 +187,6 @@ struct ChildArgs {
   // the pair's staging area, chunks the receiver reads itself when none is staged).
   for (size_t n : {size_t{3}, size_t{1} << 18, (size_t{1} << 22) + 5}) {
     std::vector<float> sbuf(n), rbuf(n);
-    const int next = (a.rank + 1) % kWorld, prev = (a.rank + kWorld - 1) % kWorld;
     for (int it = 0; it < 5; ++it) {
       for (size_t i = 0; i < n; ++i) sbuf[i] = static_cast<float>(a.rank * 1000 + it * 10 + static_cast<int>(i % 7));
       t3d_request_t *rq = nullptr, *sq = nullptr;
@@ -487,6 +501,14 @@ TEST(Fork, ParentKillsRankSurvivorsFail) { ExpectSurvivorsReported(Death::kParen
 // The same deaths in a loop of single-copy allgathers: a survivor waiting for the dead rank's block, reading it
 // from a process that is gone, or waiting for it to finish reading its own block, fails with a timeout or a lost
 // peer that names the allgather, in time.
+// And in a loop of 4 MiB ring shifts through the staging areas: rank 2 dies while it stages for rank 0, reads
+// rank 1's message or waits; the survivors' sends and receives fail with the lost peer (or a timeout) in time.
+TEST(Fork, RankKillsItselfDuringStagedSendRecvSurvivorsFail) { ExpectSurvivorsReported(Death::kSelfKill, Loop::kSendRecv); }
+
+TEST(Fork, ParentKillsRankDuringStagedSendRecvSurvivorsFail) {
+  ExpectSurvivorsReported(Death::kParentKill, Loop::kSendRecv);
+}
+
 TEST(Fork, RankKillsItselfDuringSingleCopySurvivorsFail) { ExpectSurvivorsReported(Death::kSelfKill, Loop::kAllgather); }
 
 TEST(Fork, ParentKillsRankDuringSingleCopySurvivorsFail) {
