@@ -15,17 +15,24 @@ def _batches(rank, ws):
     assert be.supports_coalescing == devices, (
         f"rank {rank}: supports_coalescing {be.supports_coalescing}, CUDA devices present {devices}")
     nxt, prv = (rank + 1) % ws, (rank - 1) % ws
-    # Three messages each way per peer, mixed sizes (eager and rendezvous), receives posted before sends.
-    sizes = (3, 5000, 300_000)
-    recvs = [torch.empty(n) for n in sizes]
+    # Four messages each way per peer, mixed sizes (eager, rendezvous, and from 4 MiB through the pair's staging
+    # area), receives posted before sends; every element differs, so a chunk out of place shows.
+    sizes = (3, 5000, 300_000, 1_100_003)
+
+    def message(src, i, n):
+        return torch.arange(n, dtype=torch.float64) + float(10_000_000 * i + 1_000_000 * src)  # exact
+
+    recvs = [torch.empty(n, dtype=torch.float64) for n in sizes]
     ops = [dist.P2POp(dist.irecv, r, prv) for r in recvs]
-    ops += [dist.P2POp(dist.isend, torch.full((n,), float(100 * rank + i)), nxt) for i, n in enumerate(sizes)]
+    ops += [dist.P2POp(dist.isend, message(rank, i, n), nxt) for i, n in enumerate(sizes)]
     works = dist.batch_isend_irecv(ops)
     assert len(works) == (1 if devices else len(ops)), f"rank {rank}: {len(works)} works for {len(ops)} operations"
     for w in works:
         w.wait()
     for i, r in enumerate(recvs):
-        assert torch.all(r == 100 * prv + i), f"rank {rank}: message {i} from {prv}: {r[:4].tolist()}"
+        want = message(prv, i, sizes[i])
+        assert torch.equal(r, want), (f"rank {rank}: message {i} from {prv}: first difference at "
+                                      f"{int((r != want).nonzero()[0])}")
     # An explicit coalescing block of point-to-point (startCoalescing/endCoalescing) on host tensors.
     got = torch.empty(7)
     with _coalescing_manager(device=torch.device("cpu"), async_ops=True) as cm:
