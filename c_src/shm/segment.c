@@ -77,11 +77,16 @@ static t3d_result_t create_segment(t3d_comm_t *comm, t3d_shm_t *s, size_t rank_b
   int rc = ftruncate(fd, (off_t)total) == 0 ? 0 : errno;
   if (rc == 0) rc = posix_fallocate(fd, 0, (off_t)total);
   if (rc != 0) {
+    char stage_hint[160] = "";
+    if (stage > 0)
+      snprintf(stage_hint, sizeof stage_hint, ", set T3D_SHM_P2P_STAGE_BYTES=0 (drops %zu bytes of point-to-point "
+               "staging areas)", t3d__shm_p2p_bytes(s->size, eager, slots, stage) - t3d__shm_p2p_bytes(s->size, eager,
+                                                                                                     slots, 0));
     snprintf(err, errlen,
              "cannot reserve %zu bytes in /dev/shm for the shared-memory segment of group '%s' (%d ranks x %zu bytes; "
              "T3D_SHM_BYTES sets the bytes per rank): %s; free space in /dev/shm (df -h /dev/shm), lower "
-             "T3D_SHM_BYTES%s",
-             total, comm->name, s->size, 2 * half, strerror(rc),
+             "T3D_SHM_BYTES%s%s",
+             total, comm->name, s->size, 2 * half, strerror(rc), stage_hint,
              T3D_HAVE_UCX ? ", or set T3D_TRANSPORT=ucx" : "");
     res = (rc == ENOSPC || rc == ENOMEM || rc == EFBIG) ? T3D_ERR_NO_MEMORY : T3D_ERR_SYSTEM;
     goto fail;

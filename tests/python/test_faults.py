@@ -392,7 +392,8 @@ def _in_small_shm(size: str, env: dict) -> dict:
 
 SEGMENT_ERR = ("cannot reserve (\\d+) bytes in /dev/shm for the shared-memory segment of group '0' \\(2 ranks x 2097152 "
                "bytes; T3D_SHM_BYTES sets the bytes per rank\\): No space left on device; free space in /dev/shm "
-               "\\(df -h /dev/shm\\), lower T3D_SHM_BYTES, or set T3D_TRANSPORT=ucx")
+               "\\(df -h /dev/shm\\), lower T3D_SHM_BYTES, set T3D_SHM_P2P_STAGE_BYTES=0 \\(drops (\\d+) bytes of "
+               "point-to-point staging areas\\), or set T3D_TRANSPORT=ucx")
 
 
 @pytest.mark.skipif(not _can_unshare(), reason="needs root and unshare --mount")
@@ -411,6 +412,8 @@ def test_dev_shm_too_small_for_the_segment():
         m = re.fullmatch(re.escape(head + inner) + SEGMENT_ERR, msg)
         assert m, f"rank {r}: {msg!r}"
         sizes.add(int(m.group(1)))
+        # two areas of a page and 2 MiB, and the padding to the page they start on
+        assert 0 <= int(m.group(2)) - 2 * (4096 + (2 << 20)) < 4096, f"rank {r}: staging bytes {m.group(2)}"
     assert len(sizes) == 1 and sizes.pop() > 64 * 1024
 
 
