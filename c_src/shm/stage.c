@@ -158,14 +158,18 @@ size_t t3d__shm_stage_bytes(int n, size_t stage) {
 }
 
 size_t t3d__shm_stage_size(int n) {
-  /* 2 MiB per ordered pair (measured: 8 chunks of 256 KiB halve a 64 MiB ring shift against process_vm_readv),
-   * fewer bytes where the group's areas would pass 16 MiB; chunks of at least 64 KiB. */
+  /* 2 MiB per ordered pair (measured: 8 chunks of 256 KiB take 0.63-0.73 of the time of process_vm_readv for a 16-256
+   * MiB ring shift at 2 ranks), fewer bytes where the group's areas would pass 16 MiB; chunks of at least 64 KiB.
+   * None by default with more ranks on the host than cores: the sender and its receiver then seldom run at once,
+   * and no gain was measured (4 ranks on 2 cores 0.9-1.2x, 8 ranks 0.8-1.5x). */
   const size_t unit = (size_t)T3D_STAGE_SLOTS << 16, most = (size_t)16 << 20;
   if (n < 2) return 0;
   int64_t want = t3d__param_int(T3D_PARAM_SHM_P2P_STAGE_BYTES);
   size_t st;
   if (want >= 0) {
     st = (size_t)want > most ? most : (size_t)want;
+  } else if (t3d__oversubscribed()) {
+    st = 0;
   } else {
     st = most / ((size_t)n * (size_t)(n - 1));
     if (st > ((size_t)2 << 20)) st = (size_t)2 << 20;

@@ -90,6 +90,7 @@ struct ChildArgs {
   // Single copy of allgather blocks is off by default with more ranks than cores (3 here on 2 cores); setting the
   // size turns it on for both allgather and alltoall. The same for broadcasts, here from 256 to 512 KiB.
   if (!a.default_ranges) {
+    SetEnv("T3D_SHM_P2P_STAGE_BYTES", "2097152");  // none by default: 3 ranks on 2 cores are more than the cores
     SetEnv("T3D_SHM_DIRECT_BYTES", "65536");
     SetEnv("T3D_SHM_BCAST_DIRECT_BYTES", "262144");
     SetEnv("T3D_SHM_BCAST_DIRECT_MAX_BYTES", "524288");
