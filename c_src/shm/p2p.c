@@ -26,7 +26,6 @@
 #include <limits.h>
 #include <linux/futex.h>
 #include <pthread.h>
-#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -44,7 +43,9 @@ typedef struct ring_ctl {
 } ring_ctl_t;
 
 /* Staging areas (stage.c) follow the rings, from a page. */
-static size_t stages_at(size_t rings_end) { return (rings_end + 4095) / 4096 * 4096; }
+static size_t stages_at(int n, size_t ring_bytes) {
+  return (rings_at(n) + (size_t)n * (size_t)n * ring_bytes + 4095) / 4096 * 4096;
+}
 
 static char *ring(const t3d_shm_p2p_t *p, int src, int dst) {
   return p->region + rings_at(p->size) + ((size_t)dst * (size_t)p->size + (size_t)src) * p->ring_bytes;
@@ -57,9 +58,8 @@ static slot_hdr_t *slot(const t3d_shm_p2p_t *p, char *r, uint64_t i) {
 size_t t3d__shm_p2p_bytes(int n, size_t eager, unsigned slots, size_t stage) {
   if (slots == 0) return 0;
   size_t ring_bytes = sizeof(ring_ctl_t) + (size_t)slots * (sizeof(slot_hdr_t) + eager);
-  size_t rings_end = rings_at(n) + (size_t)n * (size_t)n * ring_bytes;
-  if (stage == 0 || n < 2) return rings_end;
-  return stages_at(rings_end) + t3d__shm_stage_bytes(n, stage);
+  if (stage == 0 || n < 2) return rings_at(n) + (size_t)n * (size_t)n * ring_bytes;
+  return stages_at(n, ring_bytes) + t3d__shm_stage_bytes(n, stage);
 }
 
 void t3d__shm_p2p_sizes(int n, size_t *eager, unsigned *slots, size_t *stage) {
@@ -97,7 +97,7 @@ static t3d_result_t p2p_new(t3d_comm_t *comm, t3d_shm_t *s, char *region, size_t
   p->slot_bytes = sizeof(slot_hdr_t) + eager;
   p->ring_bytes = sizeof(ring_ctl_t) + (size_t)slots * p->slot_bytes;
   if (stage_bytes > 0 && n > 1) {
-    p->stages = region + stages_at(rings_at(n) + (size_t)n * (size_t)n * p->ring_bytes);
+    p->stages = region + stages_at(n, p->ring_bytes);
     p->stage_chunk = stage_bytes / T3D_STAGE_SLOTS;
     int64_t m = t3d__param_int(T3D_PARAM_SHM_P2P_STAGE_MIN_BYTES);
     p->stage_min = m <= 0 ? 1 : (size_t)m;

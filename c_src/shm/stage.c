@@ -141,8 +141,10 @@ int t3d__shm_stage_read(t3d_shm_p2p_t *p, int src, const slot_hdr_t *h, char *ds
       idle_since = 0;
       continue;
     }
-    /* Every chunk is taken: the sender is copying its last ones (or its process died with one). */
-    if (now - checked > 10000000u) {
+    /* Every chunk is taken: the sender is copying its last ones (or its process died with one). Checked as often
+     * as collective waits check their peers (T3D_SHM_LIVENESS_MS), every 10 ms where those checks are off: this
+     * wait has no deadline. */
+    if (now - checked > (p->shm->liveness_ns != 0 ? p->shm->liveness_ns : 10000000u)) {
       checked = now;
       if (peer_gone(p, src) != 0) return ESRCH;
     }
