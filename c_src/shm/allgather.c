@@ -169,7 +169,7 @@ t3d_result_t t3d__shm_allgatherv(t3d_exec_t *ex, const void *sendbuf, void *recv
   int apart = mine > 0 && gather_apart(s->size, sendbuf, recvbuf, mine, bytes, displs_bytes, 1);
   const char *own = apart ? sendbuf : gather_own(s, sendbuf, recvbuf, mine, displs_bytes[s->rank]);
   int far;
-  T3D_CHECK(t3d__shm_far(s, ex, t3d__shm_probes(s, total), &far));
+  T3D_CHECK(t3d__shm_far(s, ex, t3d__shm_probes(s, total), total, &far));
   for (size_t lo = 0; lo < maxb; lo += s->half) {
     t3d_shm_step_t st;
     t3d__shm_step_begin(s, 2, &st);

@@ -145,7 +145,7 @@ static t3d_result_t reduce_chunked(t3d_shm_t *s, t3d_exec_t *ex, const char *sb,
    * ms; 8 ranks on 2 cores within the noise. */
   int nt = s->nt && count * es >= s->nt_min && sb != rb;
   int far; /* what this rank writes into its half for the others goes with non-temporal stores */
-  T3D_CHECK(t3d__shm_far(s, ex, t3d__shm_probes(s, count * es), &far));
+  T3D_CHECK(t3d__shm_far(s, ex, t3d__shm_probes(s, count * es), count * es, &far));
   for (size_t off = 0; off < count; off += per) {
     size_t m = t3d__shm_min_sz(per, count - off);
     size_t sl = (m + unit - 1) / unit * line_elems(es);

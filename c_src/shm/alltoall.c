@@ -312,7 +312,7 @@ t3d_result_t t3d__shm_alltoallv(t3d_exec_t *ex, const void *sendbuf, const size_
   } else {
     a2a_ctx_t c = a2a_ctx(s, ex, recvbuf, scounts, rcounts, rdispls, es);
     /* Only equal blocks: every rank knows the size, so all decide alike whether to probe. */
-    res = t3d__shm_far(s, ex, equal && t3d__shm_probes(s, all), &c.far);
+    res = t3d__shm_far(s, ex, equal && t3d__shm_probes(s, all), all, &c.far);
     if (res == T3D_OK) res = a2a_steps(&c, 0, sb, sbias, scounts, sdispls);
   }
   free(copy);

@@ -173,7 +173,7 @@ t3d_result_t t3d__shm_broadcast(t3d_exec_t *ex, void *buf, size_t bytes, int roo
   if (t3d__shm_use_bcast_direct(s, bytes)) return direct_broadcast(s, ex, buf, bytes, root);
   int nt = s->nt && bytes >= s->nt_min;
   int root_nt = s->handoff_nt && bytes >= ROOT_NT_MIN;
-  if (bcast_probes(s, bytes)) T3D_CHECK(t3d__shm_far(s, ex, 1, &root_nt));
+  if (bcast_probes(s, bytes)) T3D_CHECK(t3d__shm_far(s, ex, 1, bytes, &root_nt));
   for (size_t lo = 0; lo < bytes; lo += s->half) {
     size_t len = t3d__shm_min_sz(s->half, bytes - lo);
     t3d_shm_step_t st;

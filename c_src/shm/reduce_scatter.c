@@ -124,7 +124,7 @@ t3d_result_t t3d__shm_reduce_scatterv(t3d_exec_t *ex, const void *sendbuf, void 
   }
   t3d_result_t res = T3D_OK;
   int far;
-  T3D_CHECK_GOTO(t3d__shm_far(s, ex, t3d__shm_probes(s, total * es), &far), res, out);
+  T3D_CHECK_GOTO(t3d__shm_far(s, ex, t3d__shm_probes(s, total * es), total * es, &far), res, out);
   for (size_t lo = 0; lo < l.maxc; lo += l.P) {
     t3d_shm_step_t st;
     t3d__shm_step_begin(s, 2, &st);

@@ -425,13 +425,16 @@ static inline void t3d__shm_put_addr(t3d_shm_t *s, const t3d_shm_step_t *st, con
  * wrote with plain stores reaches the other from the writer's cache across the host's fabric, which in one kind of
  * far placement is several times slower than from memory, and the large operations write their halves with
  * non-temporal stores instead. The placement changes while a job runs (a virtual machine's CPUs move between host
- * cores), so it is timed again and again: at the first of the operations that may probe and at every 16th after
- * it, a few rounds in which both ranks post a phase and wait for the other's (a step of its own; a microsecond or
- * two against milliseconds). Each rank decides for its own writes alone, so the ranks need not agree on the answer,
- * only on when to probe: `probe` must be the same on every rank (it follows from the operation and its size).
- * Returns T3D_OK with *far set (0 where the operation may not probe; else the last timed answer), or the wait's
- * error. */
-t3d_result_t t3d__shm_far(t3d_shm_t *s, t3d_exec_t *ex, int probe, int *far);
+ * cores), so it is timed again and again: at every operation of `bytes` >= T3D_SHM_PROBE_EACH_BYTES, and else at
+ * the first of the operations that may probe and at every 16th after it, a few rounds in which both ranks post a
+ * phase and wait for the other's (a step of its own; a microsecond or two against milliseconds). Each rank decides
+ * for its own writes alone, so the ranks need not agree on the answer, only on when to probe: `probe` and `bytes`
+ * must be the same on every rank (they follow from the operation and its size). Returns T3D_OK with *far set (0
+ * where the operation may not probe; else the last timed answer), or the wait's error. */
+t3d_result_t t3d__shm_far(t3d_shm_t *s, t3d_exec_t *ex, int probe, size_t bytes, int *far);
+/* From this size every operation that may probe does, its probe a few microseconds against milliseconds
+ * (docs/architecture.md, "Placement probes"). */
+#define T3D_SHM_PROBE_EACH_BYTES (8u * 1024u * 1024u)
 /* Whether an allreduce, reduce_scatter, allgather or alltoall of `bytes` may probe (then it never starts in parts: a
  * probe waits); broadcast.c asks from its own threshold. */
 static inline int t3d__shm_probes_from(const t3d_shm_t *s, size_t bytes, size_t min) {

@@ -366,13 +366,13 @@ static t3d_result_t probe_placement(t3d_shm_t *s, t3d_exec_t *ex) {
   return T3D_OK;
 }
 
-t3d_result_t t3d__shm_far(t3d_shm_t *s, t3d_exec_t *ex, int probe, int *far) {
+t3d_result_t t3d__shm_far(t3d_shm_t *s, t3d_exec_t *ex, int probe, size_t bytes, int *far) {
   *far = 0;
   if (!probe || s->place_min == 0) return T3D_OK;
   /* Every rank counts the same operations, so all probe at the same ones. Each probe makes the ranks meet, which
    * costs a broadcast root the lead it may otherwise keep over its reader (measured, 32 MiB back to back: 2.1 ms
    * a broadcast without probes, 3.0-3.6 with one each). */
-  if (s->may_probe++ % PROBE_EVERY == 0) T3D_CHECK(probe_placement(s, ex));
+  if (bytes >= T3D_SHM_PROBE_EACH_BYTES || s->may_probe++ % PROBE_EVERY == 0) T3D_CHECK(probe_placement(s, ex));
   *far = s->far_now && s->nt;
   return T3D_OK;
 }

@@ -55,22 +55,25 @@ class EnvGuard {
 
 // Element counts either side of a 4 KiB threshold: the allreduce of 1024 floats probes, the one of 1023 does not;
 // allgather and alltoall move 2 x count floats, so from 512 on; broadcast from 131072. 300003 floats take many
-// steps of a tiny segment.
-const size_t kCounts[] = {100, 511, 512, 1023, 1024, 1025, 40003, 131071, 131072, 300003};
+// steps of a tiny segment. From 8 MiB every operation probes (T3D_SHM_PROBE_EACH_BYTES): 1048576 floats are 4 MiB
+// for allreduce, reduce and broadcast, 8 MiB for the others; 2097152 floats 8 MiB and more for all.
+const size_t kCounts[] = {100, 511, 512, 1023, 1024, 1025, 40003, 131071, 131072, 300003, 1048576, 2097152};
 
 // Runs allreduce (also in place), reduce, reduce_scatter, allgather, broadcast and alltoall at every count, checks
 // the results, and that probes ran exactly at the first of the operations that qualify and at every 16th after it
-// (sync.c's PROBE_EVERY), finding `want_far`.
+// (sync.c's PROBE_EVERY), and at every one of 8 MiB or more (which the count of the others leaves out), finding
+// `want_far`.
 void RunAll(int rank, t3d_comm_t *comm, int want_far) {
   const size_t kThreshold = 4096;
   uint64_t qualified = 0;  // operations so far that could probe
-  // Runs one operation; checks that it probed exactly when it qualifies and is the first or a 16th such, and what
-  // it found. Returns whether it succeeded.
-  auto run = [&](const std::string &what, bool qualifies, const IssueFn &issue) {
+  const size_t kEach = 8u << 20;
+  // Runs one operation of op_bytes; checks that it probed exactly when it qualifies and is the first or a 16th
+  // such, or at least kEach bytes, and what it found. Returns whether it succeeded.
+  auto run = [&](const std::string &what, bool qualifies, size_t op_bytes, const IssueFn &issue) {
     const Probes before = ReadProbes(comm);
     if (!RunOk(comm, what, issue)) return false;
     const Probes after = ReadProbes(comm);
-    const uint64_t want = qualifies && qualified++ % 16 == 0 ? 1u : 0u;
+    const uint64_t want = qualifies && (op_bytes >= kEach || qualified++ % 16 == 0) ? 1u : 0u;
     EXPECT_EQ(after.count - before.count, want) << "rank " << rank << ": " << what;
     if (qualifies) {
       EXPECT_EQ(after.far, want_far) << "rank " << rank << ": " << what;
@@ -83,7 +86,7 @@ void RunAll(int rank, t3d_comm_t *comm, int want_far) {
     // allreduce
     std::vector<float> in(count), out(count, -1.0f);
     for (size_t i = 0; i < count; ++i) in[i] = Value(rank, i);
-    if (!run("allreduce" + at, bytes >= kThreshold, [&](t3d_request_t **r) {
+    if (!run("allreduce" + at, bytes >= kThreshold, bytes, [&](t3d_request_t **r) {
           return t3d_allreduce(comm, in.data(), out.data(), count, T3D_FLOAT32, T3D_SUM, nullptr, r);
         }))
       return;
@@ -91,14 +94,14 @@ void RunAll(int rank, t3d_comm_t *comm, int want_far) {
         << "rank " << rank << ": allreduce" << at;
     // allreduce in place, and reduce to rank count % 2 (whose output alone is written)
     std::vector<float> io = in;
-    if (!run("allreduce in place" + at, bytes >= kThreshold, [&](t3d_request_t **r) {
+    if (!run("allreduce in place" + at, bytes >= kThreshold, bytes, [&](t3d_request_t **r) {
           return t3d_allreduce(comm, io.data(), io.data(), count, T3D_FLOAT32, T3D_SUM, nullptr, r);
         }))
       return;
     EXPECT_TRUE(io == out) << "rank " << rank << ": allreduce in place" << at;
     const int root = static_cast<int>(count % 2);
     std::vector<float> red(count, -1.0f);
-    if (!run("reduce" + at, bytes >= kThreshold, [&](t3d_request_t **r) {
+    if (!run("reduce" + at, bytes >= kThreshold, bytes, [&](t3d_request_t **r) {
           return t3d_reduce(comm, in.data(), red.data(), count, T3D_FLOAT32, T3D_SUM, root, nullptr, r);
         }))
       return;
@@ -110,7 +113,7 @@ void RunAll(int rank, t3d_comm_t *comm, int want_far) {
     for (int q = 0; q < 2; ++q)
       for (size_t i = 0; i < count; ++i) blocks[q * count + i] = Value(rank, i) + 500.0f * static_cast<float>(q);
     std::vector<float> mine(count, -1.0f);
-    if (!run("reduce_scatter" + at, 2 * bytes >= kThreshold, [&](t3d_request_t **r) {
+    if (!run("reduce_scatter" + at, 2 * bytes >= kThreshold, 2 * bytes, [&](t3d_request_t **r) {
           return t3d_reduce_scatter(comm, blocks.data(), mine.data(), count, T3D_FLOAT32, T3D_SUM, nullptr, r);
         }))
       return;
@@ -118,7 +121,7 @@ void RunAll(int rank, t3d_comm_t *comm, int want_far) {
         << "rank " << rank << ": reduce_scatter" << at;
     // allgather: each rank's block of count floats
     out.assign(2 * count, -1.0f);
-    if (!run("allgather" + at, 2 * bytes >= kThreshold, [&](t3d_request_t **r) {
+    if (!run("allgather" + at, 2 * bytes >= kThreshold, 2 * bytes, [&](t3d_request_t **r) {
           return t3d_allgather(comm, in.data(), out.data(), count, T3D_FLOAT32, nullptr, r);
         }))
       return;
@@ -127,14 +130,14 @@ void RunAll(int rank, t3d_comm_t *comm, int want_far) {
     // broadcast from rank count % 2: probes from 512 KiB (broadcast.c), whatever T3D_SHM_PLACEMENT_BYTES says
     std::vector<float> buf(count, -1.0f);
     if (rank == root) buf = in;
-    if (!run("broadcast" + at, bytes >= 512 * 1024, [&](t3d_request_t **r) {
+    if (!run("broadcast" + at, bytes >= 512 * 1024, bytes, [&](t3d_request_t **r) {
           return t3d_broadcast(comm, buf.data(), count, T3D_FLOAT32, root, nullptr, r);
         }))
       return;
     EXPECT_EQ(Wrong(buf, [&](size_t i) { return Value(root, i); }), 0u) << "rank " << rank << ": broadcast" << at;
     // alltoall: the same blocks
     out.assign(2 * count, -1.0f);
-    if (!run("alltoall" + at, 2 * bytes >= kThreshold, [&](t3d_request_t **r) {
+    if (!run("alltoall" + at, 2 * bytes >= kThreshold, 2 * bytes, [&](t3d_request_t **r) {
           return t3d_alltoall(comm, blocks.data(), out.data(), count, T3D_FLOAT32, nullptr, r);
         }))
       return;
