@@ -54,9 +54,10 @@ class EnvGuard {
 };
 
 // Element counts either side of a 4 KiB threshold: the allreduce of 1024 floats probes, the one of 1023 does not;
-// allgather and alltoall move 2 x count floats, so from 512 on; broadcast from 131072. 300003 floats take many
-// steps of a tiny segment. From 8 MiB every operation probes (T3D_SHM_PROBE_EACH_BYTES): 1048576 floats are 4 MiB
-// for allreduce, reduce and broadcast, 8 MiB for the others; 2097152 floats 8 MiB and more for all.
+// allgather and alltoall move 2 x count floats, so from 512 on; broadcast from 131072 (single copy, which does not
+// probe, is off). 300003 floats take many steps of a tiny segment. From 8 MiB every operation probes
+// (T3D_SHM_PROBE_EACH_BYTES): 1048576 floats are 4 MiB for allreduce, reduce and broadcast, 8 MiB for the others;
+// 2097152 floats 8 MiB and more for all.
 const size_t kCounts[] = {100, 511, 512, 1023, 1024, 1025, 40003, 131071, 131072, 300003, 1048576, 2097152};
 
 // Runs allreduce (also in place), reduce, reduce_scatter, allgather, broadcast and alltoall at every count, checks
@@ -159,10 +160,45 @@ TEST(ShmPlacement, ProbesFromTheThresholdAndBothWritesAgree) {
                          {"T3D_SHM_BYTES", "131072"},
                          {"T3D_SHM_ONESHOT_BYTES", "0"},
                          {"T3D_SHM_DIRECT_BYTES", "0"},
+                         {"T3D_SHM_BCAST_DIRECT_BYTES", "0"},
                          {"T3D_SHM_FAR_NS", far_ns}});
     const int want_far = strcmp(far_ns, "0") == 0;
     RunRanks(2, [&](int rank, t3d_comm_t *comm) { RunAll(rank, comm, want_far); });
   }
+}
+
+// Broadcasts probe one in 16 from 512 KiB, each one from 8 MiB as the other operations do (measured: no cost at
+// 8-64 MiB, docs/benchmarks/broadcast-probe-each-2ranks.txt). 16 broadcasts of 4 MiB probe once (the group's first
+// operation that may probe), the 3 of 8 MiB after them three times, and the next 16 of 4 MiB once more, at the
+// first (the 17th of 4 MiB): the large ones leave the count of the others alone.
+TEST(ShmPlacement, BroadcastsProbeEachFromEightMiB) {
+  EnvGuard env(EnvVars{{"T3D_SHM_PLACEMENT_BYTES", "4096"}, {"T3D_SHM_BCAST_DIRECT_BYTES", "0"}});
+  RunRanks(2, [&](int rank, t3d_comm_t *comm) {
+    std::vector<float> buf(2u << 20);  // 8 MiB of floats
+    int k = 0;
+    auto bcast = [&](size_t count) {
+      for (size_t i = 0; i < count; i += 4099) buf[i] = rank == 0 ? Value(k, i) : -1.0f;
+      const std::string what = "broadcast " + std::to_string(k) + " of " + std::to_string(count) + " floats";
+      if (!RunOk(comm, what, [&](t3d_request_t **r) {
+            return t3d_broadcast(comm, buf.data(), count, T3D_FLOAT32, 0, nullptr, r);
+          }))
+        return false;
+      EXPECT_EQ(buf[4099 * 7], Value(k, 4099 * 7)) << "rank " << rank << ": " << what;
+      ++k;
+      return true;
+    };
+    for (int j = 0; j < 16; ++j)
+      if (!bcast(1u << 20)) return;
+    EXPECT_EQ(ReadProbes(comm).count, 1u) << "rank " << rank << ": after 16 broadcasts of 4 MiB";
+    for (int j = 0; j < 3; ++j)
+      if (!bcast(2u << 20)) return;
+    EXPECT_EQ(ReadProbes(comm).count, 4u) << "rank " << rank << ": after 3 broadcasts of 8 MiB";
+    if (!bcast(1u << 20)) return;
+    EXPECT_EQ(ReadProbes(comm).count, 5u) << "rank " << rank << ": after the 17th broadcast of 4 MiB";
+    for (int j = 0; j < 15; ++j)
+      if (!bcast(1u << 20)) return;
+    EXPECT_EQ(ReadProbes(comm).count, 5u) << "rank " << rank << ": after 15 more of 4 MiB";
+  });
 }
 
 // T3D_SHM_PLACEMENT_BYTES=0: no probes at all.
