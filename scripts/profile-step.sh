@@ -7,7 +7,8 @@
 # Usage: scripts/profile-step.sh [BACKEND] [t3d-train arguments...]
 #   e.g. scripts/profile-step.sh t3d; scripts/profile-step.sh gloo; scripts/profile-step.sh t3d --dp 1 --cp 1
 # Needs perf (Debian: linux-perf) and permission to sample every CPU (root, or kernel.perf_event_paranoid <= 0).
-# PROFILE_WARM_S (default 3) and PROFILE_WINDOW_S (default 10) set the window; the step count is chosen to outlast it.
+# PROFILE_WARM_S (default 3) and PROFILE_WINDOW_S (default 10) set the window, which ends earlier where the loop would
+# (the step count is chosen for 0.1 s a step); the steps logged inside it give the step time.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BACKEND="${1:-t3d}"
@@ -24,8 +25,9 @@ VENV="$("$ROOT/scripts/setup.sh" 2> "$work/setup.log" | tail -n 1)" || { cat "$w
 CORES="$(getconf _NPROCESSORS_ONLN)" # not nproc, which follows OMP_NUM_THREADS
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 mkfifo "$work/ctl"
-# Steps enough for the window at up to 0.5 s a step; the loop's own summary gives the step time.
-steps=$(( (WARM + WINDOW) * 2 + 10 ))
+# Steps enough for the window at 0.1 s a step or more. A faster loop ends the window early (below): the samples must
+# all fall inside the loop, not in the checkpoint and the exit after it.
+steps=$(( (WARM + WINDOW) * 10 + 10 ))
 perf record -q -a -F 499 -D -1 --control "fifo:$work/ctl" -o "$work/perf.data" -- \
   "$VENV/bin/python" -m t3d.train --backend "$BACKEND" --steps "$steps" --no-progress --ckpt-dir "$work/ckpt" "$@" \
   > "$work/train.log" 2>&1 &
@@ -42,18 +44,32 @@ if ! grep -q "step 1 on rank 0" "$work/train.log"; then
   echo "profile-step: the loop never started" >&2
   exit 1
 fi
+# The last step rank 0 has logged ("step   N/M | ..."), 0 before the first.
+last_step() { sed -n 's/^step *\([0-9]*\)\/[0-9]* |.*/\1/p' "$work/train.log" | tail -1 | grep . || echo 0; }
 sleep "$WARM"
 echo enable >&3
-sleep "$WINDOW"
+t0="$(date +%s.%N)"
+s0="$(last_step)"
+# The window: WINDOW seconds, or until the loop is two steps from its end, whichever comes first.
+while :; do
+  sleep 0.1
+  now="$(date +%s.%N)"
+  s1="$(last_step)"
+  awk -v a="$t0" -v b="$now" -v w="$WINDOW" 'BEGIN { exit !(b - a >= w) }' && break
+  [ "$s1" -ge $((steps - 2)) ] && break
+  kill -0 "$pid" 2> /dev/null || break
+done
 echo disable >&3
 wait "$pid" || { tail -20 "$work/train.log" >&2; echo "profile-step: t3d-train failed" >&2; exit 1; }
 exec 3>&-
-step_ms="$(sed -n 's/.*step time [0-9.]* ms mean (\([0-9.]*\) ms median.*/\1/p' "$work/train.log" | tail -1)"
-if [ -z "$step_ms" ]; then
-  tail -20 "$work/train.log" >&2
-  echo "profile-step: no step time in t3d-train's summary" >&2
+if [ "$s1" -le "$s0" ]; then
+  echo "profile-step: no step finished inside the window" >&2
   exit 1
 fi
+# Core-ms per step from the window itself: its length over the steps logged inside it.
+step_ms="$(awk -v a="$t0" -v b="$now" -v n=$((s1 - s0)) 'BEGIN { printf "%.1f", (b - a) * 1000 / n }')"
 grep -E "^summary|step time" "$work/train.log"
+echo "  profiled window: $(awk -v a="$t0" -v b="$now" 'BEGIN { printf "%.1f", b - a }') s, steps $((s0 + 1))-$s1 of" \
+  "$steps, $step_ms ms a step"
 "$VENV/bin/python" "$ROOT/scripts/perf_step_summary.py" "$work/perf.data" --backend "$BACKEND" --step-ms "$step_ms" \
   --cores "$CORES"
