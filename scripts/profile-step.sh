@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Where the CPU time of a training step goes, on every core at once: perf samples the whole machine while t3d-train
-# runs (from a few seconds after its first step, for a fixed window), and scripts/perf_step_summary.py groups the
+# runs (from a few seconds after its first step, for a window inside the loop), and scripts/perf_step_summary.py groups the
 # samples by what ran (the Python interpreter, torch's C++, tensor kernels, the backend's library, the kernel's
 # scheduling and networking, idle cores) and turns the shares into core-milliseconds per step.
 #
@@ -48,15 +48,14 @@ fi
 last_step() { sed -n 's/^step *\([0-9]*\)\/[0-9]* |.*/\1/p' "$work/train.log" | tail -1 | grep . || echo 0; }
 sleep "$WARM"
 echo enable >&3
-t0="$(date +%s.%N)"
+t0="$(date +%s%N)"
 s0="$(last_step)"
 # The window: WINDOW seconds, or until the loop is two steps from its end, whichever comes first.
 while :; do
   sleep 0.1
-  now="$(date +%s.%N)"
+  elapsed_ms=$(( ($(date +%s%N) - t0) / 1000000 ))
   s1="$(last_step)"
-  awk -v a="$t0" -v b="$now" -v w="$WINDOW" 'BEGIN { exit !(b - a >= w) }' && break
-  [ "$s1" -ge $((steps - 2)) ] && break
+  [ "$elapsed_ms" -ge $((WINDOW * 1000)) ] || [ "$s1" -ge $((steps - 2)) ] && break
   kill -0 "$pid" 2> /dev/null || break
 done
 echo disable >&3
@@ -67,9 +66,9 @@ if [ "$s1" -le "$s0" ]; then
   exit 1
 fi
 # Core-ms per step from the window itself: its length over the steps logged inside it.
-step_ms="$(awk -v a="$t0" -v b="$now" -v n=$((s1 - s0)) 'BEGIN { printf "%.1f", (b - a) * 1000 / n }')"
+step_ms="$(( elapsed_ms / (s1 - s0) )).$(( elapsed_ms * 10 / (s1 - s0) % 10 ))"
 grep -E "^summary|step time" "$work/train.log"
-echo "  profiled window: $(awk -v a="$t0" -v b="$now" 'BEGIN { printf "%.1f", b - a }') s, steps $((s0 + 1))-$s1 of" \
-  "$steps, $step_ms ms a step"
+echo "  profiled window: $((elapsed_ms / 1000)).$((elapsed_ms / 100 % 10)) s, steps $((s0 + 1))-$s1 of $steps," \
+  "$step_ms ms a step"
 "$VENV/bin/python" "$ROOT/scripts/perf_step_summary.py" "$work/perf.data" --backend "$BACKEND" --step-ms "$step_ms" \
   --cores "$CORES"
