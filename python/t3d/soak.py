@@ -2,6 +2,7 @@
 
     python -m t3d.soak --nproc 4 --calls 10000 --seed 1            # 10,000 calls, then stops
     python -m t3d.soak --nproc 4 --calls 10000 --seed 1 --hours 8  # rounds of 10,000 (seed, seed+1, ...) for 8 hours
+    python -m t3d.soak --nproc 4 --calls 10000 --registered 4096   # tensors from 4 KiB in t3d memory (mapped paths)
 
 Each rank draws, from the shared seed, the same sequence of calls: all_reduce and reduce with every ReduceOp the
 dtype allows (AVG and PREMUL_SUM included), broadcast, all_gather, all_gather_into_tensor, reduce_scatter_tensor,
@@ -15,6 +16,11 @@ call locally and compares every element: exactly (the data are chosen so that su
 PREMUL_SUM factors are exact in every dtype and order, integers wrap alike), AVG of floats within a few ulps. A
 mismatch stops the run with the call index, op, group, dtype, size, rank and the first bad index; a rank that raises
 (a t3d error, a timeout) or hangs stops it too. Exit status: 0 when every call on every rank checked out.
+
+With --registered BYTES the ranks allocate every CPU tensor of at least BYTES in t3d memory (T3D_CPU_ALLOCATOR=1)
+and collectives from BYTES offer it to their peers (T3D_SHM_MAPPED_BYTES), so that the same random calls run the
+collectives that read and write each other's buffers in place; the summary says how many calls had every checked
+tensor in t3d memory.
 """
 
 from __future__ import annotations
@@ -310,6 +316,11 @@ class _Rank:
     def __init__(self, seed: int, rank: int, world: int, groups: list[list[int]], pgs: list, corrupt: int | None):
         import torch.distributed as dist
         self.dist = dist
+        self.registered = 0  # calls whose checked tensors all lay in t3d memory (counted only with the allocator on)
+        self._is_registered = None
+        if os.environ.get("T3D_CPU_ALLOCATOR") == "1":
+            from t3d import mem
+            self._is_registered = mem.is_registered
         self.seed, self.rank, self.world, self.groups, self.pgs = seed, rank, world, groups, pgs
         self.corrupt = corrupt  # a call index whose first checked expected value is altered (self-test)
 
@@ -420,6 +431,8 @@ class _Rank:
         return (w if a or kind == "ring" else None), outs
 
     def verify(self, spec, outs) -> None:
+        if self._is_registered is not None and outs and all(self._is_registered(t) for _, t, _ in outs):
+            self.registered += 1
         hit = self.corrupt is not None and spec["i"] >= self.corrupt and corrupt_target(spec)
         for what, t, exp in outs:
             want = exp()
@@ -441,9 +454,10 @@ class _Both:
 
 
 def run_calls(seed: int, rank: int, world: int, calls: int, pgs: list, groups: list[list[int]],
-              corrupt: int | None = None, progress=None, on_call=None, **plan) -> int:
+              corrupt: int | None = None, progress=None, on_call=None, stats: dict | None = None, **plan) -> int:
     """Issues and checks `calls` calls of seed's sequence on this rank; returns how many this rank took part in.
-    on_call(spec) runs before each call is issued (on every rank, member or not); `plan` goes to plan_calls."""
+    on_call(spec) runs before each call is issued (on every rank, member or not); `plan` goes to plan_calls;
+    stats["registered"], when given, grows by the calls whose checked tensors all lay in t3d memory."""
     r = _Rank(seed, rank, world, groups, pgs, corrupt)
     order = random.Random(_mix(seed, rank, 99))  # each rank waits a batch in an order of its own
     done = 0
@@ -473,6 +487,8 @@ def run_calls(seed: int, rank: int, world: int, calls: int, pgs: list, groups: l
         if progress is not None and time.monotonic() - last > PROGRESS_EVERY_S:
             last = time.monotonic()
             progress(step[-1]["i"] + 1)
+    if stats is not None:
+        stats["registered"] = stats.get("registered", 0) + r.registered
     return done
 
 
@@ -498,17 +514,19 @@ def _rank_main(rank: int, world: int, init: str, seed: int, calls: int, hours: f
         t_end = time.monotonic() + hours * 3600
         rnd = 0
         total = 0
+        stats: dict = {}
         while True:
             s = seed + rnd
             total += run_calls(s, rank, world, calls, pgs, groups, corrupt if rnd == 0 else None,
-                               progress=lambda k, s=s, base=rnd * calls: q.put(("progress", rank, base + k, s)))
+                               progress=lambda k, s=s, base=rnd * calls: q.put(("progress", rank, base + k, s)),
+                               stats=stats)
             rnd += 1
             q.put(("round", rank, rnd * calls, s))
             if time.monotonic() >= t_end:
                 break
         dist.barrier()
         dist.destroy_process_group()
-        q.put(("done", rank, total))
+        q.put(("done", rank, total, stats.get("registered", 0)))
         code = 0
     except BaseException as exc:  # noqa: BLE001
         msg = str(exc) if isinstance(exc, Mismatch) else traceback.format_exc()
@@ -522,17 +540,24 @@ def _rank_main(rank: int, world: int, init: str, seed: int, calls: int, hours: f
 
 
 def run(nproc: int, calls: int, seed: int, hours: float = 0.0, corrupt: int | None = None, idle_s: float = 120.0,
-        timeout_s: float = 60.0, log=print) -> dict:
+        timeout_s: float = 60.0, log=print, registered: int | None = None) -> dict:
     """Runs the soak on nproc spawned ranks. Returns {"ok", "failures": {rank: message}, "hung": [ranks],
-    "calls": calls issued by the world, "seconds"}. A rank that reports nothing for idle_s counts as hung; t3d's own
-    timeout (T3D_TIMEOUT_MS) is set to timeout_s so that a stuck collective becomes an error that names it."""
+    "calls": calls issued by the world, "seconds", "registered": per rank, the calls whose checked tensors all lay in
+    t3d memory}. A rank that reports nothing for idle_s counts as hung; t3d's own timeout (T3D_TIMEOUT_MS) is set to
+    timeout_s so that a stuck collective becomes an error that names it. registered: allocate CPU tensors of at
+    least this many bytes in t3d memory, and offer collectives from that size the in-place paths."""
     import multiprocessing as mp
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     os.environ.setdefault("T3D_TIMEOUT_MS", str(int(timeout_s * 1000)))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if registered is not None:
+        if registered <= 0:
+            raise ValueError(f"soak: registered must be a positive number of bytes, got {registered}")
+        os.environ["T3D_CPU_ALLOCATOR"] = "1"
+        os.environ["T3D_SHM_MAPPED_BYTES"] = str(registered)
     t0 = time.monotonic()
-    res = {"ok": False, "failures": {}, "hung": [], "calls": 0, "seconds": 0.0, "rounds": 0}
+    res = {"ok": False, "failures": {}, "hung": [], "calls": 0, "seconds": 0.0, "rounds": 0, "registered": {}}
     with tempfile.TemporaryDirectory(prefix="t3d-soak-") as tmp:
         procs = [ctx.Process(target=_rank_main, name=f"soak-rank{r}",
                              args=(r, nproc, os.path.join(tmp, "init"), seed, calls, hours, corrupt, timeout_s, q))
@@ -573,6 +598,7 @@ def run(nproc: int, calls: int, seed: int, hours: float = 0.0, corrupt: int | No
                         log(f"soak: {m[2]} calls (seed {m[3]}) after {now - t0:.0f} s")
                 elif kind == "done":
                     done.add(rank)
+                    res["registered"][rank] = m[3]
                 elif kind == "failed":
                     res["failures"][rank] = m[2]
                     t_fail = t_fail or now
@@ -598,20 +624,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=60.0, help="t3d/torch timeout of one call, seconds")
     ap.add_argument("--corrupt", type=int, default=None,
                     help="self-test: alter the expected value of this call (or the next one with a checked output)")
+    ap.add_argument("--registered", type=int, default=None, metavar="BYTES",
+                    help="allocate CPU tensors of at least BYTES in t3d memory and offer collectives from BYTES "
+                         "the in-place paths (T3D_CPU_ALLOCATOR=1, T3D_SHM_MAPPED_BYTES=BYTES)")
     a = ap.parse_args(argv)
+    if a.registered is not None and a.registered <= 0:
+        ap.error(f"--registered must be a positive number of bytes, got {a.registered}")
     print(f"soak: {a.nproc} ranks, {a.calls} calls per round, seed {a.seed}"
           + (f", {a.hours} h" if a.hours else ""), flush=True)
     res = run(a.nproc, a.calls, a.seed, a.hours, a.corrupt, idle_s=max(120.0, 2 * a.timeout), timeout_s=a.timeout,
-              log=lambda s: print(s, flush=True))
+              log=lambda s: print(s, flush=True), registered=a.registered)
     if res["ok"]:
         print(f"soak: OK: {res['calls']} calls in {res['rounds']} round(s), {res['seconds']:.1f} s, every element "
               f"checked on every rank", flush=True)
+        if a.registered is not None:
+            per = ", ".join(f"{res['registered'].get(r, 0)}" for r in range(a.nproc))
+            print(f"soak: calls with every checked tensor in t3d memory, per rank: {per}", flush=True)
         return 0
     for r, msg in sorted(res["failures"].items()):
         print(f"soak: FAILED on rank {r}: {msg}", flush=True)
     if res["hung"]:
         print(f"soak: HUNG: ranks {res['hung']}", flush=True)
-    print(f"soak: reproduce with: python -m t3d.soak --nproc {a.nproc} --calls {a.calls} --seed {a.seed}", flush=True)
+    again = f" --registered {a.registered}" if a.registered is not None else ""
+    print(f"soak: reproduce with: python -m t3d.soak --nproc {a.nproc} --calls {a.calls} --seed {a.seed}{again}",
+          flush=True)
     return 1
 
 
