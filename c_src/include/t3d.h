@@ -176,6 +176,9 @@ int t3d_request_poll(t3d_request_t *req, uint64_t *since);
  * descriptor until freed. T3D_ERR_INVALID_ARG for 0 bytes or a pointer t3d_mem_alloc did not return. */
 t3d_result_t t3d_mem_alloc(size_t bytes, void **ptr);
 t3d_result_t t3d_mem_free(void *ptr);
+/* In a child of fork() the allocations it inherited are its own copies (copy on write from the parent's pages; a
+ * page the child has not written still shows the parent's later writes), as ordinary memory would be apart from
+ * that, and they no longer count as t3d memory (t3d_mem_owns: 0; t3d_mem_free still frees them). */
 /* 1 when [ptr, ptr + bytes) lies in one live t3d_mem_alloc allocation of this process. */
 int t3d_mem_owns(const void *ptr, size_t bytes);
 /* memcpy with the non-temporal stores the collectives use for large buffers (where the CPU has AVX-512 or AVX;

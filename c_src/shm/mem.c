@@ -4,7 +4,14 @@
  * the owner's memory, which the segment's probe checked), and keeps the mapping in a cache until the owner frees
  * the allocation (the header says so) or the cache is full. A collective whose buffers are all in such memory on
  * every rank reads and writes the peers' buffers in place (mapped.c): one copy, with non-temporal stores, instead
- * of two through the segment or the kernel's slower copy (process_vm_readv). */
+ * of two through the segment or the kernel's slower copy (process_vm_readv).
+ *
+ * fork(): a child would share these pages with its parent (they are a shared file's), so that a write in the child
+ * (a DataLoader worker filling a tensor it inherited) changed the parent's tensor, and its free marked the parent's
+ * allocation freed for the peers. So the child maps every allocation it inherited privately instead, copy on write
+ * from the file (its writes stay its own; a page it has not written still shows what the parent writes there
+ * later), no longer offers them to peers (their file holds the parent's bytes), and drops its views of the
+ * parent's peers. */
 #include "shm.h"
 
 #include <errno.h>
@@ -16,6 +23,7 @@
 #include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -34,6 +42,7 @@ typedef struct mem_region {
   size_t map_bytes;
   uint64_t key;
   int fd;
+  int inherited; /* mapped privately in a child of the process that allocated it: never offered to peers */
   struct mem_region *next;
 } mem_region_t;
 
@@ -54,6 +63,36 @@ static uint64_t next_id;
 static mem_view_t views[MEM_VIEWS];
 static int views_hi; /* slots at or past it were never used: lookups stop there */
 static uint64_t view_clock;
+static pthread_once_t fork_once = PTHREAD_ONCE_INIT;
+
+/* Around fork(): the lock is held across it, so that the child finds the lists whole. */
+static void fork_prepare(void) { pthread_mutex_lock(&mem_lock); }
+static void fork_parent(void) { pthread_mutex_unlock(&mem_lock); }
+
+static void drop_view(mem_view_t *v);
+
+/* In the child: every inherited allocation mapped privately from its file (contents kept: they are the file's),
+ * then moved over the shared mapping at the same address (mremap replaces it in one step; a failed mmap leaves it
+ * as it was), and the views of the parent's peers dropped. A region that cannot be remapped (no memory for the
+ * mapping) stays shared; it is still not offered, and its free does not mark the parent's allocation freed. */
+static void fork_child(void) {
+  for (mem_region_t *r = regions; r != NULL; r = r->next) {
+    void *priv = mmap(NULL, r->map_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE, r->fd, 0);
+    /* The system call itself: UCX's memory hooks replace mremap() with a function that drops its fifth argument,
+     * the new address, and the mapping would move to address 0. */
+    if (priv != MAP_FAILED && syscall(SYS_mremap, priv, r->map_bytes, r->map_bytes, MREMAP_MAYMOVE | MREMAP_FIXED,
+                                      r->base) != (long)(uintptr_t)r->base)
+      munmap(priv, r->map_bytes);
+    r->inherited = 1;
+  }
+  for (int i = 0; i < views_hi; i++) {
+    if (views[i].base != NULL) drop_view(&views[i]);
+  }
+  views_hi = 0;
+  pthread_mutex_unlock(&mem_lock);
+}
+
+static void register_fork_handlers(void) { pthread_atfork(fork_prepare, fork_parent, fork_child); }
 
 /* Every allocation holds a descriptor for as long as it lives; raise the soft limit once so that many do fit. */
 static void raise_fd_limit(void) {
@@ -71,6 +110,7 @@ t3d_result_t t3d_mem_alloc(size_t bytes, void **ptr) {
   if (ptr == NULL) return T3D_ERR_INVALID_ARG;
   *ptr = NULL;
   if (bytes == 0 || bytes > ((size_t)1 << 46)) return T3D_ERR_INVALID_ARG;
+  pthread_once(&fork_once, register_fork_handlers);
   size_t page = (size_t)sysconf(_SC_PAGESIZE);
   size_t map_bytes = MEM_HEADER + (bytes + page - 1) / page * page;
   pthread_mutex_lock(&mem_lock);
@@ -105,6 +145,7 @@ t3d_result_t t3d_mem_alloc(size_t bytes, void **ptr) {
   r->map_bytes = map_bytes;
   r->key = h->key;
   r->fd = fd;
+  r->inherited = 0;
   pthread_mutex_lock(&mem_lock);
   r->next = regions;
   regions = r;
@@ -130,7 +171,7 @@ t3d_result_t t3d_mem_free(void *ptr) {
   }
   pthread_mutex_unlock(&mem_lock);
   if (r == NULL) return T3D_ERR_INVALID_ARG;
-  atomic_store_explicit(&((mem_header_t *)(void *)r->base)->freed, 1u, memory_order_release);
+  if (!r->inherited) atomic_store_explicit(&((mem_header_t *)(void *)r->base)->freed, 1u, memory_order_release);
   munmap(r->base, r->map_bytes);
   close(r->fd);
   free(r);
@@ -148,7 +189,7 @@ int t3d__mem_find(const void *ptr, size_t bytes, uint64_t *key, uint64_t *off) {
   pthread_mutex_lock(&mem_lock);
   for (mem_region_t *r = regions; r != NULL && !found; r = r->next) {
     const char *lo = r->base + MEM_HEADER, *hi = r->base + r->map_bytes;
-    if (p >= lo && p <= hi && bytes <= (size_t)(hi - p)) {
+    if (!r->inherited && p >= lo && p <= hi && bytes <= (size_t)(hi - p)) {
       *key = r->key;
       *off = (uint64_t)(p - r->base);
       found = 1;

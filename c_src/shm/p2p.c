@@ -100,6 +100,10 @@ static t3d_result_t p2p_new(t3d_comm_t *comm, t3d_shm_t *s, char *region, size_t
     p->stages = region + stages_at(n, p->ring_bytes);
     p->stage_chunk = stage_bytes / T3D_STAGE_SLOTS;
     int64_t m = t3d__param_int(T3D_PARAM_SHM_P2P_STAGE_MIN_BYTES);
+    /* AMD: the area's non-temporal stores send 4 MiB messages through memory, where ranks on one core complex
+     * read them faster straight from the sender (docs/benchmarks/p2p-stage-min-amd-2ranks.txt) */
+    if (!t3d__param_is_set(T3D_PARAM_SHM_P2P_STAGE_MIN_BYTES) && t3d__shm_llc_may_split())
+      m = T3D_SHM_P2P_STAGE_MIN_SPLIT;
     p->stage_min = m <= 0 ? 1 : (size_t)m;
   }
   pthread_mutex_init(&p->mu, NULL);

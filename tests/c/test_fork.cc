@@ -91,6 +91,7 @@ struct ChildArgs {
   // size turns it on for both allgather and alltoall. The same for broadcasts, here from 256 to 512 KiB.
   if (!a.default_ranges) {
     SetEnv("T3D_SHM_P2P_STAGE_BYTES", "2097152");  // none by default: 3 ranks on 2 cores are more than the cores
+    SetEnv("T3D_SHM_P2P_STAGE_MIN_BYTES", "4194304");  // the 4 MiB ring shifts below are staged (AMD: 8 MiB unset)
     SetEnv("T3D_SHM_DIRECT_BYTES", "65536");
     SetEnv("T3D_SHM_BCAST_DIRECT_BYTES", "262144");
     SetEnv("T3D_SHM_BCAST_DIRECT_MAX_BYTES", "524288");

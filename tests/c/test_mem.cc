@@ -219,6 +219,46 @@ TEST(MemApi, ErrorsAndOwnership) {
   EXPECT_EQ(t3d_mem_free(nullptr), T3D_OK);
 }
 
+// fork(): the child's copy of t3d memory is its own. Before, the pages were a shared file's in both processes: the
+// child's write showed in the parent's buffer and its free marked the parent's allocation freed for the peers.
+// Now the child maps what it inherited privately: its writes stay its own, it does not offer the allocation to
+// peers (t3d_mem_owns 0), it can still free it, and what it allocates after the fork is t3d memory as usual.
+TEST(MemFork, ChildWritesAndFreesItsOwnCopy) {
+  const size_t bytes = (4u << 20) + 123;
+  char *p = nullptr;
+  ASSERT_EQ(t3d_mem_alloc(bytes, reinterpret_cast<void **>(&p)), T3D_OK);
+  memset(p, 1, bytes);
+  fflush(stdout);
+  fflush(stderr);
+  pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    alarm(60);
+    if (p[0] != 1 || p[bytes - 1] != 1) _exit(2);  // inherited contents
+    if (t3d_mem_owns(p, bytes) != 0) _exit(3);      // never offered from here
+    memset(p, 7, bytes);                            // the child's write
+    if (p[12345] != 7) _exit(4);
+    if (t3d_mem_free(p) != T3D_OK) _exit(5);
+    char *q = nullptr;
+    if (t3d_mem_alloc(1 << 20, reinterpret_cast<void **>(&q)) != T3D_OK || t3d_mem_owns(q, 1 << 20) != 1) _exit(6);
+    q[0] = 3;
+    _exit(t3d_mem_free(q) == T3D_OK ? 0 : 7);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
+      << "child: " << (WIFEXITED(status) ? "exit " + std::to_string(WEXITSTATUS(status))
+                                         : "signal " + std::to_string(WTERMSIG(status)));
+  size_t changed = 0;
+  for (size_t i = 0; i < bytes; ++i) changed += p[i] != 1;
+  EXPECT_EQ(changed, 0u) << "the child's write reached the parent's t3d memory";
+  EXPECT_EQ(t3d_mem_owns(p, bytes), 1);
+  // The child's free left the allocation live for the peers: the header's freed flag, a page before the bytes.
+  const uint32_t freed = *reinterpret_cast<const uint32_t *>(p - 4096 + 24);
+  EXPECT_EQ(freed, 0u) << "the child's free marked the parent's allocation freed";
+  EXPECT_EQ(t3d_mem_free(p), T3D_OK);
+}
+
 // Ranks as processes: each maps the others' allocations through /proc/<pid>/fd. Exit code 0, or 1 + what failed.
 TEST(MemFork, ThreeProcessesAllreduceAllgatherBroadcast) {
   const int n = 3;

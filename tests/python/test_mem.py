@@ -190,3 +190,44 @@ def test_the_environment_turns_the_allocator_on_at_import():
                              env=dict(os.environ, **env))
         assert out.returncode == 0, out.stderr[-2000:]
         assert out.stdout.split("\n")[-2] == want, (env, out.stdout, out.stderr[-1000:])
+
+
+_FORKED_LOADER = r"""
+import torch, t3d.mem
+from torch.utils.data import DataLoader, Dataset
+
+table = torch.ones(1 << 20)  # 4 MiB: in t3d memory with the allocator on
+assert t3d.mem.is_registered(table)
+
+
+class InPlace(Dataset):
+    # Each item is made in place in the table the worker inherited, as a dataset that normalises a cached tensor
+    # would: the worker's own copy, which must not be the parent's.
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        table.mul_(3.0)
+        return table[:4].clone()
+
+
+items = list(DataLoader(InPlace(), batch_size=None, num_workers=2, multiprocessing_context="fork"))
+print("items", sorted({round(float(x[0])) for x in items}))
+print("parent", float(table.min()), float(table.max()), t3d.mem.is_registered(table))
+"""
+
+
+def test_forked_dataloader_workers_write_their_own_copy_of_t3d_memory():
+    """torch's DataLoader forks its workers (Linux's default): a worker that writes into a tensor it inherited
+    must write its own copy, as with ordinary memory, not the parent's t3d memory (a shared file's pages)."""
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _FORKED_LOADER], capture_output=True, text=True, timeout=180,
+                         env=dict(os.environ, T3D_CPU_ALLOCATOR="1", OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if " " in line)
+    # Each worker multiplies its own copy: items 3, 9 (two per worker), never 27 or 81 from a shared table.
+    assert lines["items"] == "[3, 9]", out.stdout
+    assert lines["parent"] == "1.0 1.0 True", out.stdout
