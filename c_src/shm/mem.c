@@ -78,7 +78,7 @@ static void drop_view(mem_view_t *v);
 static void fork_child(void) {
   for (mem_region_t *r = regions; r != NULL; r = r->next) {
     void *priv = mmap(NULL, r->map_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE, r->fd, 0);
-    /* The system call itself: the memory hooks of UCX before 1.14 (Debian 12 has 1.13) replace mremap() with a
+    /* The system call itself: the memory hooks of older UCX (Debian 12's 1.13 among them) replace mremap() with a
      * function of four arguments, which drops the new address: the mapping would move to address 0. */
     if (priv != MAP_FAILED && syscall(SYS_mremap, priv, r->map_bytes, r->map_bytes, MREMAP_MAYMOVE | MREMAP_FIXED,
                                       r->base) != (long)(uintptr_t)r->base)
