@@ -86,10 +86,13 @@ int t3d__shm_cma_read(int self_pid, int pid, void *dst, uint64_t addr, size_t le
 
 /* Rank 0's choice of the single-copy ranges for the group (cma: every rank can read the others' memory).
  * T3D_SHM_DIRECT_BYTES / T3D_SHM_DIRECT_MAX_BYTES, when set, give both ranges. Otherwise: blocks of 16 KiB to
- * 4 MiB when each rank has a core, 2 MiB on AMD's CPUs (2 ranks: 32-64 KiB allgather and alltoall 2x faster than
+ * 4 MiB when each rank has a core (2 ranks on an Intel CPU: 32-64 KiB allgather and alltoall 2x faster than
  * through the segment, 4 KiB blocks even; 8 MiB blocks 1.2-1.8x slower than the segment's two copies, the kernel's
- * copy moving 5-7 GB/s here: docs/benchmarks/allgather-place-2ranks.txt; on AMD 4 MiB blocks about 1.1x slower,
- * docs/benchmarks/direct-max-amd-2ranks.txt). With more ranks than cores, where copies are
+ * copy moving 5-7 GB/s: docs/benchmarks/allgather-place-2ranks.txt). On AMD's CPUs allgather blocks of 1.5-2 MiB
+ * and alltoall blocks of 1-2 MiB: there the segment measured 1.5-3x faster for 16 KiB-1 MiB allgather blocks and
+ * 16-512 KiB alltoall blocks, single copy 1.2x faster for 2 MiB allgather and 1 MiB alltoall blocks (1.5 MiB lies
+ * between, unmeasured), and the segment 1.1x faster from 4 MiB (docs/benchmarks/direct-max-amd-2ranks.txt,
+ * direct-min-amd-2ranks.txt). With more ranks than cores, where copies are
  * not what bounds a collective, allgather keeps the segment (8 ranks on 2 cores: up to 1.5x slower with single
  * copy, since each block is read by n - 1 readers from the owner's process instead of from the cached segment).
  * alltoall reads each block once, and single copy halves its bytes: it wins there from 32 KiB blocks for as long as
@@ -103,14 +106,14 @@ void t3d__shm_direct_ranges(t3d_shm_t *s, int n, int cma) {
   int64_t hi = t3d__param_int(T3D_PARAM_SHM_DIRECT_MAX_BYTES);
   int asked = t3d__param_is_set(T3D_PARAM_SHM_DIRECT_BYTES);
   int over = t3d__oversubscribed();
-  /* AMD: the kernel's copy runs at about 0.3x of a user-space one, and 4 MiB blocks already go faster through the
-   * segment's two copies */
-  if (!asked && !t3d__param_is_set(T3D_PARAM_SHM_DIRECT_MAX_BYTES) && t3d__shm_llc_may_split())
-    hi = T3D_SHM_DIRECT_MAX_SPLIT;
+  /* AMD: the kernel's copy runs at about 0.3x of a user-space one; the segment's two copies, from lines still in
+   * the caches, win outside blocks of about 1-2 MiB */
+  int split = !asked && !t3d__param_is_set(T3D_PARAM_SHM_DIRECT_MAX_BYTES) && t3d__shm_llc_may_split();
+  if (split) hi = T3D_SHM_DIRECT_MAX_SPLIT;
   int direct = cma && (asked || !over) && lo > 0 && hi >= lo;
-  s->direct_min = direct ? (size_t)lo : 0;
+  s->direct_min = direct ? (size_t)(split ? T3D_SHM_AG_DIRECT_MIN_SPLIT : lo) : 0;
   s->direct_max = direct ? (size_t)hi : 0;
-  s->a2a_direct_min = s->direct_min;
+  s->a2a_direct_min = direct ? (size_t)(split ? T3D_SHM_A2A_DIRECT_MIN_SPLIT : lo) : 0;
   s->a2a_direct_max = s->direct_max;
   if (cma && over && !asked && n > 1) {
     size_t amax = T3D_SHM_A2A_DIRECT_TOTAL / ((size_t)n * (size_t)n);

@@ -458,6 +458,9 @@ int t3d__shm_probe_bits(int pid, unsigned long long addr);
 /* Unset T3D_SHM_DIRECT_MAX_BYTES on CPUs whose cores may sit on different L3s (AMD's): the largest allgather and
  * alltoall block read straight from its owner (docs/architecture.md, "Single copy"). */
 #define T3D_SHM_DIRECT_MAX_SPLIT (2 * 1024 * 1024)
+/* ... and the smallest allgather and alltoall blocks so read there. */
+#define T3D_SHM_AG_DIRECT_MIN_SPLIT (1536 * 1024)
+#define T3D_SHM_A2A_DIRECT_MIN_SPLIT (1024 * 1024)
 /* Unset T3D_SHM_P2P_STAGE_MIN_BYTES on such CPUs: the shortest point-to-point message staged. */
 #define T3D_SHM_P2P_STAGE_MIN_SPLIT (8 * 1024 * 1024)
 /* With more ranks than cores, alltoall blocks from this size, while all n * n blocks together stay within
