@@ -65,11 +65,14 @@ static int views_hi; /* slots at or past it were never used: lookups stop there 
 static uint64_t view_clock;
 static pthread_once_t fork_once = PTHREAD_ONCE_INIT;
 
+static void drop_view(mem_view_t *v) {
+  munmap(v->base, v->map_bytes);
+  memset(v, 0, sizeof *v);
+}
+
 /* Around fork(): the lock is held across it, so that the child finds the lists whole. */
 static void fork_prepare(void) { pthread_mutex_lock(&mem_lock); }
 static void fork_parent(void) { pthread_mutex_unlock(&mem_lock); }
-
-static void drop_view(mem_view_t *v);
 
 /* In the child: every inherited allocation mapped privately from its file (contents kept: they are the file's),
  * then moved over the shared mapping at the same address (mremap replaces it in one step; a failed mmap leaves it
@@ -152,11 +155,6 @@ t3d_result_t t3d_mem_alloc(size_t bytes, void **ptr) {
   pthread_mutex_unlock(&mem_lock);
   *ptr = base + MEM_HEADER;
   return T3D_OK;
-}
-
-static void drop_view(mem_view_t *v) {
-  munmap(v->base, v->map_bytes);
-  memset(v, 0, sizeof *v);
 }
 
 t3d_result_t t3d_mem_free(void *ptr) {

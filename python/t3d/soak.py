@@ -316,11 +316,9 @@ class _Rank:
     def __init__(self, seed: int, rank: int, world: int, groups: list[list[int]], pgs: list, corrupt: int | None):
         import torch.distributed as dist
         self.dist = dist
+        from t3d import mem
         self.registered = 0  # calls whose checked tensors all lay in t3d memory (counted only with the allocator on)
-        self._is_registered = None
-        if os.environ.get("T3D_CPU_ALLOCATOR") == "1":
-            from t3d import mem
-            self._is_registered = mem.is_registered
+        self._is_registered = mem.is_registered if mem.allocator_stats()["enabled"] else None
         self.seed, self.rank, self.world, self.groups, self.pgs = seed, rank, world, groups, pgs
         self.corrupt = corrupt  # a call index whose first checked expected value is altered (self-test)
 
@@ -545,15 +543,13 @@ def run(nproc: int, calls: int, seed: int, hours: float = 0.0, corrupt: int | No
     "calls": calls issued by the world, "seconds", "registered": per rank, the calls whose checked tensors all lay in
     t3d memory}. A rank that reports nothing for idle_s counts as hung; t3d's own timeout (T3D_TIMEOUT_MS) is set to
     timeout_s so that a stuck collective becomes an error that names it. registered: allocate CPU tensors of at
-    least this many bytes in t3d memory, and offer collectives from that size the in-place paths."""
+    least this many bytes (positive) in t3d memory, and offer collectives from that size the in-place paths."""
     import multiprocessing as mp
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     os.environ.setdefault("T3D_TIMEOUT_MS", str(int(timeout_s * 1000)))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if registered is not None:
-        if registered <= 0:
-            raise ValueError(f"soak: registered must be a positive number of bytes, got {registered}")
         os.environ["T3D_CPU_ALLOCATOR"] = "1"
         os.environ["T3D_SHM_MAPPED_BYTES"] = str(registered)
     t0 = time.monotonic()

@@ -463,10 +463,10 @@ TEST(Fork, CleanRunOverFileStore) {
 }
 
 // Without T3D_SHM_DIRECT_BYTES the ranges follow the cores: with a core per rank, blocks of 16 KiB to 4 MiB for
-// both (on CPUs other than Intel's: allgather 1.5-2 MiB, alltoall 1-2 MiB); with more ranks than cores, none for allgather and, for alltoall, 32 KiB up to where all n * n blocks
-// together reach 32 MiB (docs/architecture.md, "Single copy"). The run's alltoall blocks (400 kB) are in range
-// either way. Broadcasts skip the segment only with a core per rank: 32 KiB to 16 MiB on an Intel CPU, 64 KiB to
-// 2 MiB elsewhere.
+// both (on CPUs other than Intel's: allgather 1.5-2 MiB, alltoall 1-2 MiB); with more ranks than cores, none for
+// allgather and, for alltoall, 32 KiB up to where all n * n blocks together reach 32 MiB (docs/architecture.md,
+// "Single copy"). The run's alltoall blocks (400 kB) are in range either way. Broadcasts skip the segment only with
+// a core per rank: 32 KiB to 16 MiB on an Intel CPU, 64 KiB to 2 MiB elsewhere.
 TEST(Fork, DefaultSingleCopyRangesFollowTheCores) {
   long cpus = sysconf(_SC_NPROCESSORS_ONLN);
   cpu_set_t set;
