@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Where the CPU time of a training step goes, on every core at once: perf samples the whole machine while t3d-train
 # runs (from a few seconds after its first step, for a window inside the loop), and scripts/perf_step_summary.py
-# groups the samples by what ran (the Python interpreter, torch's C++, tensor kernels, the backend's library, the kernel's
-# scheduling and networking, idle cores) and turns the shares into core-milliseconds per step.
+# groups the samples by what ran (the Python interpreter, torch's C++, tensor kernels, the backend's library, the
+# kernel's scheduling and networking, idle cores) and turns the shares into core-milliseconds per step.
 #
 # Usage: scripts/profile-step.sh [BACKEND] [t3d-train arguments...]
 #   e.g. scripts/profile-step.sh t3d; scripts/profile-step.sh gloo; scripts/profile-step.sh t3d --dp 1 --cp 1
