@@ -117,6 +117,14 @@ struct t3d_comm {
   int stop;
   uint64_t coll_seq;
   int split_count;
+  /* The owner's path (core/submit.c): the thread that made the communicator starts collectives without mu while
+   * only it issues, the queue is empty and the progress thread has finished all it took. */
+  pthread_t owner;
+  int owner_path;              /* set at init where membarrier(2) is there: the path may be taken */
+  atomic_int shared;           /* another thread issued: the path is off for good */
+  atomic_int in_owner_path;    /* the owner is between its check and the end of what it started */
+  _Atomic uint64_t enqueued;   /* requests put in the queue (under mu) */
+  _Atomic uint64_t finished;   /* of those, the ones the progress thread has run and released (written by it alone) */
 
   atomic_int aborted;
   atomic_int fatal; /* t3d_result_t that broke the communicator, 0 if none */

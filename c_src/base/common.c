@@ -7,6 +7,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <linux/membarrier.h>
+#include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -52,6 +54,20 @@ __attribute__((noinline))
 #endif
 #endif
 void t3d__zero(void *p, size_t n) { memset(p, 0, n); }
+
+/* membarrier(2)'s private expedited command, registered once per process. */
+static int membarrier_ok;
+static void membarrier_register(void) {
+  membarrier_ok = syscall(SYS_membarrier, MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED, 0, 0) == 0;
+}
+
+int t3d__membarrier_ready(void) {
+  static pthread_once_t once = PTHREAD_ONCE_INIT;
+  pthread_once(&once, membarrier_register);
+  return membarrier_ok;
+}
+
+void t3d__membarrier(void) { syscall(SYS_membarrier, MEMBARRIER_CMD_PRIVATE_EXPEDITED, 0, 0); }
 
 uint64_t t3d__now_ns(void) {
   struct timespec ts;

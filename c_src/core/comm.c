@@ -243,6 +243,8 @@ t3d_result_t t3d_comm_init(t3d_comm_t **out, int rank, int size, const t3d_store
     return res;
   }
   comm->thread_started = 1;
+  comm->owner = pthread_self();
+  comm->owner_path = t3d__membarrier_ready();
   T3D_INFO("comm '%s' rank %d/%d up over %s%s", comm->name, rank, size, comm->tp->name,
            comm->shm ? " + shared memory" : "");
   *out = comm;

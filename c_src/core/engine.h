@@ -31,8 +31,12 @@ void t3d__exec_init(t3d_comm_t *comm, t3d_request_t *r, t3d_exec_t *ex);
 t3d_result_t t3d__execute(t3d_exec_t *ex, t3d_request_t *req);
 /* Writes a failed collective's error to the communicator; errors that leave peers out of step break it. */
 void t3d__record_failure(t3d_comm_t *comm, t3d_exec_t *ex, t3d_result_t res);
-/* Records the outcome of a collective and completes it. release: end the engine's busy state first, so that
- * whoever sees r done finds the engine idle. fresh: r finished on the caller's thread and was not handed out yet. */
+/* How the thread that runs a collective holds the engine: not at all (a phase of another), by its busy state
+ * (under mu), or through the owner's path (core/submit.c, without mu). t3d__release ends either hold. */
+enum { T3D_HOLD_NONE = 0, T3D_HOLD_ENGINE = 1, T3D_HOLD_OWNER = 2 };
+void t3d__release(t3d_comm_t *comm, int hold);
+/* Records the outcome of a collective and completes it. release (a T3D_HOLD_*): ended first, so that whoever sees
+ * r done finds the engine idle. fresh: r finished on the caller's thread and was not handed out yet. */
 void t3d__end_collective(t3d_comm_t *comm, t3d_request_t *r, t3d_exec_t *ex, t3d_result_t res, int release,
                          int fresh);
 /* Runs a queued collective (or fails it at once on a broken communicator). */

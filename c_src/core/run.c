@@ -183,10 +183,15 @@ void t3d__record_failure(t3d_comm_t *comm, t3d_exec_t *ex, t3d_result_t res) {
   }
 }
 
+void t3d__release(t3d_comm_t *comm, int hold) {
+  if (hold == T3D_HOLD_OWNER) atomic_store_explicit(&comm->in_owner_path, 0, memory_order_release);
+  else if (hold == T3D_HOLD_ENGINE) t3d__release_engine(comm);
+}
+
 void t3d__end_collective(t3d_comm_t *comm, t3d_request_t *r, t3d_exec_t *ex, t3d_result_t res, int release,
                          int fresh) {
   if (res < 0) t3d__record_failure(comm, ex, res);
-  if (release) t3d__release_engine(comm);
+  t3d__release(comm, release);
   if (fresh) t3d__request_complete_fresh(r, res, ex->error);
   else t3d__request_complete(r, res, ex->error);
 }

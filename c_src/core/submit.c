@@ -3,6 +3,7 @@
  * whole collective), held in an open group, or queued for the progress thread. Groups are issued here too. */
 #include "engine.h"
 
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -12,12 +13,59 @@
 static t3d_request_t done_ok = {.done = 1, .refs = 1, .shared = 1, .result = T3D_OK, .prov = &t3d__provider_shm,
                                 .mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER, .source = -1};
 
+/* ---------- the owner's path ----------
+ * Taking mu twice per call (to claim the engine and to release it) was a third of a 2-rank 8 B broadcast at the C
+ * level: 0.21 us a call with it, 0.14 without (docs/benchmarks/owner-path-2ranks.txt). A claim by compare-and-swap
+ * and a release by exchange cost as much as the mutex, since each locked instruction waits for the stores this core
+ * has just made into the segment's lines to leave it. So the thread that made the communicator, while it is the only
+ * one that issues on it, claims the engine with plain stores and loads: it marks itself in_owner_path, then finds no
+ * other thread has issued (shared), no group open, and every request it queued finished by the progress thread
+ * (enqueued == finished); only it puts requests in the queue while shared is 0, so then nobody runs anything on the
+ * engine but it. A thread other than the owner that issues turns the path off for good, the first time through an
+ * asymmetric fence: it sets shared, runs membarrier(2) (a full barrier on every running thread of the process), and
+ * waits until the owner is out of its path; the owner's side needs only a compiler barrier, since either its mark
+ * was seen by then or its check comes after the barrier and sees shared. From then on every call takes mu. */
+static int is_owner(const t3d_comm_t *comm) {
+  return comm->owner_path && pthread_equal(pthread_self(), comm->owner);
+}
+
+/* shared: 0 the owner's path may run, 1 being turned off (the fence not yet run), 2 off. */
+static void other_issuer(t3d_comm_t *comm) {
+  if (!comm->owner_path || is_owner(comm)) return;
+  int expected = 0;
+  if (atomic_compare_exchange_strong(&comm->shared, &expected, 1)) {
+    t3d__membarrier();
+    atomic_store_explicit(&comm->shared, 2, memory_order_release);
+  }
+  while (atomic_load_explicit(&comm->shared, memory_order_acquire) != 2) sched_yield();
+  while (atomic_load_explicit(&comm->in_owner_path, memory_order_acquire) != 0) sched_yield();
+}
+
+/* On the owner's thread: claims the engine without mu where it may (1; t3d__release with T3D_HOLD_OWNER ends it). */
+static int owner_claims(t3d_comm_t *comm) {
+  if (!is_owner(comm)) return 0;
+  atomic_store_explicit(&comm->in_owner_path, 1, memory_order_relaxed);
+  atomic_signal_fence(memory_order_seq_cst); /* the hardware barrier is other_issuer's membarrier */
+  if (atomic_load_explicit(&comm->shared, memory_order_relaxed) == 0 && comm->group_depth == 0 &&
+      atomic_load_explicit(&comm->enqueued, memory_order_relaxed) ==
+          atomic_load_explicit(&comm->finished, memory_order_acquire)) {
+    return 1;
+  }
+  atomic_store_explicit(&comm->in_owner_path, 0, memory_order_release);
+  return 0;
+}
+
+/* ---------- the queue ---------- */
+
 void t3d__enqueue(t3d_comm_t *comm, t3d_request_t *r) {
+  other_issuer(comm);
   pthread_mutex_lock(&comm->mu);
   r->next = NULL;
   if (comm->q_tail != NULL) comm->q_tail->next = r;
   else comm->q_head = r;
   comm->q_tail = r;
+  atomic_store_explicit(&comm->enqueued, atomic_load_explicit(&comm->enqueued, memory_order_relaxed) + 1,
+                        memory_order_relaxed);
   pthread_cond_signal(&comm->cv);
   pthread_mutex_unlock(&comm->mu);
 }
@@ -38,23 +86,24 @@ static int may_start(t3d_comm_t *comm, const t3d_request_t *r) {
 /* A prepared request that start_inline could not keep (no memory): the call finishes here, waiting for late peers,
  * and reports through its return value. */
 static t3d_result_t finish_unkept(t3d_comm_t *comm, t3d_exec_t *ex, t3d_request_t *r, t3d_result_t res,
-                                  t3d_request_t **out) {
+                                  t3d_request_t **out, int hold) {
   if (res == T3D_IN_PROGRESS) res = t3d__execute(ex, r); /* r->resume is set: finishes the started operation */
   if (res < 0) t3d__record_failure(comm, ex, res);
-  t3d__release_engine(comm);
+  t3d__release(comm, hold);
   t3d__request_drop_arrays(r);
   if (res < 0) return res;
   *out = &done_ok;
   return T3D_OK;
 }
 
-/* On the caller's thread, with the engine marked busy. r is on the heap (kept) or prepared on the caller's stack;
+/* On the caller's thread, with the engine held (hold: busy, or the owner's path). r is on the heap (kept) or prepared on the caller's stack;
  * the latter, finished without error, hands out done_ok, and is kept only when it failed or goes on. When peers are
  * late the request goes to the head of the queue (ahead of anything other threads queued meanwhile: it was issued
  * first) and the progress thread finishes it, so the call never waits for long; unless the call is blocking
  * (T3D_FLAG_BLOCKING): then this thread finishes it. whole: a blocking call's collective that has no inline start,
  * run from the beginning. */
-static t3d_result_t start_inline(t3d_comm_t *comm, t3d_request_t *r, int kept, int whole, t3d_request_t **out) {
+static t3d_result_t start_inline(t3d_comm_t *comm, t3d_request_t *r, int kept, int whole, t3d_request_t **out,
+                                 int hold) {
   t3d_exec_t ex;
   t3d__exec_init(comm, r, &ex);
   if (whole) t3d__exec_deadline(&ex); /* a large operation: its phases (core/hier.c) copy the deadline */
@@ -63,25 +112,28 @@ static t3d_result_t start_inline(t3d_comm_t *comm, t3d_request_t *r, int kept, i
   if (res == T3D_IN_PROGRESS && (r->flags & T3D_FLAG_BLOCKING)) res = t3d__execute(&ex, r); /* r->resume is set */
   if (!kept) {
     if (res == T3D_OK) {
-      t3d__release_engine(comm);
+      t3d__release(comm, hold);
       t3d__request_drop_arrays(r);
       *out = &done_ok;
       return T3D_OK;
     }
     t3d_request_t *k = t3d__request_keep(r);
-    if (k == NULL) return finish_unkept(comm, &ex, r, res, out);
+    if (k == NULL) return finish_unkept(comm, &ex, r, res, out, hold);
     r = k;
   }
   *out = r;
   if (res != T3D_IN_PROGRESS) {
-    t3d__end_collective(comm, r, &ex, res, 1, 1);
+    t3d__end_collective(comm, r, &ex, res, hold, 1);
     return T3D_OK;
   }
   pthread_mutex_lock(&comm->mu);
   r->next = comm->q_head;
   comm->q_head = r;
   if (comm->q_tail == NULL) comm->q_tail = r;
-  comm->busy = 0;
+  atomic_store_explicit(&comm->enqueued, atomic_load_explicit(&comm->enqueued, memory_order_relaxed) + 1,
+                        memory_order_relaxed);
+  if (hold == T3D_HOLD_OWNER) t3d__release(comm, hold);
+  else comm->busy = 0;
   pthread_cond_signal(&comm->cv);
   pthread_mutex_unlock(&comm->mu);
   return T3D_OK;
@@ -101,6 +153,7 @@ t3d_result_t t3d__submit(t3d_comm_t *comm, t3d_request_t *r, t3d_request_t **out
   /* The open group, like the group depth, belongs to the calling thread; the mutex guards the collectives' sequence
    * and the engine's queue, which what joins a group or is posted here does not touch. */
   int here = t3d__is_posted(r) && r->prov->post_on_caller;
+  if (!here) other_issuer(comm);
   if (coll) {
     pthread_mutex_lock(&comm->mu);
     /* Sequence numbers are given at issue time: every rank issues collectives in the same order, so they agree. */
@@ -131,7 +184,7 @@ t3d_result_t t3d__submit(t3d_comm_t *comm, t3d_request_t *r, t3d_request_t **out
   if (coll && comm->q_head == NULL && !comm->busy && may_start(comm, r)) {
     comm->busy = 1;
     pthread_mutex_unlock(&comm->mu);
-    return start_inline(comm, r, 1, 0, out);
+    return start_inline(comm, r, 1, 0, out, T3D_HOLD_ENGINE);
   }
   pthread_mutex_unlock(&comm->mu);
   t3d__enqueue(comm, r);
@@ -144,7 +197,18 @@ t3d_result_t t3d__submit_prepared(t3d_comm_t *comm, t3d_request_t *tmp, t3d_requ
     t3d__request_drop_arrays(tmp);
     return no_provider(comm, tmp);
   }
+  if (tmp->prov->start != NULL && t3d__is_collective(tmp->kind) && owner_claims(comm)) {
+    int eligible = may_start(comm, tmp);
+    int whole = !eligible && (tmp->flags & T3D_FLAG_BLOCKING) && atomic_load(&comm->fatal) == 0;
+    if (eligible || whole) {
+      tmp->seq = ++comm->coll_seq;
+      if (tmp->prov->warm != NULL) tmp->prov->warm(comm, tmp);
+      return start_inline(comm, tmp, 0, whole, out, T3D_HOLD_OWNER);
+    }
+    t3d__release(comm, T3D_HOLD_OWNER);
+  }
   if (tmp->prov->start != NULL && t3d__is_collective(tmp->kind)) {
+    other_issuer(comm);
     pthread_mutex_lock(&comm->mu);
     int idle = comm->group_depth == 0 && comm->q_head == NULL && !comm->busy;
     int eligible = idle && may_start(comm, tmp);
@@ -155,7 +219,7 @@ t3d_result_t t3d__submit_prepared(t3d_comm_t *comm, t3d_request_t *tmp, t3d_requ
       comm->busy = 1;
       pthread_mutex_unlock(&comm->mu);
       if (tmp->prov->warm != NULL) tmp->prov->warm(comm, tmp);
-      return start_inline(comm, tmp, 0, whole, out);
+      return start_inline(comm, tmp, 0, whole, out, T3D_HOLD_ENGINE);
     }
     pthread_mutex_unlock(&comm->mu);
   }

@@ -634,6 +634,53 @@ TEST(ShmRequests, BlockingCallsFinishOnTheCallersThread) {
   });
 }
 
+// The owner's path (core/submit.c): the thread that made the communicator starts small collectives without the
+// engine's mutex while it alone issues. Checked on every result: (1) the owner's blocking small broadcasts and
+// allreduces right behind a large allreduce it queued (not blocking, so the progress thread runs it: the small ones
+// must wait for it, not overtake it); (2) another thread issuing on the same communicator, handed over in order,
+// blocking and not, small and queued, which turns the path off for good; (3) the owner again, now through the mutex.
+TEST(ShmRequests, OwnerPathWaitsForQueuedWorkAndHandsOverToAnotherThread) {
+  RunRanks(2, [&](int rank, t3d_comm_t *comm) {
+    t3d_opts_t blocking{};
+    blocking.flags = T3D_FLAG_BLOCKING;
+    const size_t big = size_t{3} << 20;  // 12 MiB: queued for the progress thread
+    std::vector<float> in(big), out(big, 0.0f);
+    for (size_t i = 0; i < big; ++i) in[i] = static_cast<float>((i % 1000) + rank);
+    auto small_round = [&](int k, const std::string &who) {
+      float v[4] = {0, 0, 0, 0}, s[4];
+      if (rank == k % 2) std::fill(v, v + 4, static_cast<float>(k));
+      t3d_request_t *r = nullptr;
+      T3D_ASSERT_OK(comm, t3d_broadcast(comm, v, 4, T3D_FLOAT32, k % 2, &blocking, &r));
+      EXPECT_EQ(t3d_wait(r, -1), T3D_OK) << Tag(rank, who + ": " + t3d_request_error(r));
+      t3d_request_free(r);
+      for (int j = 0; j < 4; ++j) ASSERT_EQ(v[j], static_cast<float>(k)) << Tag(rank, who + " broadcast");
+      std::fill(s, s + 4, static_cast<float>(rank + k));
+      T3D_ASSERT_OK(comm, t3d_allreduce(comm, s, s, 4, T3D_FLOAT32, T3D_SUM, nullptr, &r));
+      EXPECT_EQ(t3d_wait(r, -1), T3D_OK) << Tag(rank, who + ": " + t3d_request_error(r));
+      t3d_request_free(r);
+      for (int j = 0; j < 4; ++j) ASSERT_EQ(s[j], static_cast<float>(2 * k + 1)) << Tag(rank, who + " allreduce");
+    };
+    auto queued_then_small = [&](int k, const std::string &who) {
+      std::fill(out.begin(), out.end(), 0.0f);
+      t3d_request_t *big_req = nullptr;
+      T3D_ASSERT_OK(comm, t3d_allreduce(comm, in.data(), out.data(), big, T3D_FLOAT32, T3D_SUM, nullptr, &big_req));
+      small_round(k, who + " behind the queued allreduce");
+      EXPECT_EQ(t3d_wait(big_req, -1), T3D_OK) << Tag(rank, who + ": " + t3d_request_error(big_req));
+      t3d_request_free(big_req);
+      for (size_t i = 0; i < big; i += 997) ASSERT_EQ(out[i], 2.0f * (i % 1000) + 1.0f) << Tag(rank, who + " big");
+    };
+    for (int k = 0; k < 100; ++k) small_round(k, "owner");
+    for (int k = 0; k < 3; ++k) queued_then_small(k, "owner");
+    std::thread other([&] {
+      for (int k = 0; k < 50; ++k) small_round(k, "other thread");
+      for (int k = 0; k < 2; ++k) queued_then_small(k, "other thread");
+    });
+    other.join();
+    for (int k = 0; k < 50; ++k) small_round(k, "owner after the other thread");
+    queued_then_small(7, "owner after the other thread");
+  });
+}
+
 // Ranks that run one broadcast on different paths must agree on its steps: here each rank alternates between
 // T3D_FLAG_BLOCKING (the whole broadcast on its thread) and the default (for what fits the inline start: the root
 // publishes and returns, the others copy out later), and one rank comes late now and then, for sizes past a small
