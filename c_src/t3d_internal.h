@@ -77,11 +77,11 @@ void t3d__zero(void *p, size_t n);
 /* ---------- time and place ---------- */
 uint64_t t3d__now_ns(void);
 /* The two sides of an asymmetric fence (membarrier(2), private expedited): t3d__membarrier, on a rarely taken
- * path, runs a full memory barrier on every thread of this process that is running, so that the frequent side
- * needs only a compiler barrier (core/submit.c, "The owner's path"). t3d__membarrier_ready registers the process
- * once and says whether the kernel offers it. */
+ * path, runs a full memory barrier on every thread of this process that is running (0; -1 where it could not), so
+ * that the frequent side needs only a compiler barrier (core/submit.c, "The owner's path").
+ * t3d__membarrier_ready registers this process (once per process) and says whether the kernel offers it. */
 int t3d__membarrier_ready(void);
-void t3d__membarrier(void);
+int t3d__membarrier(void);
 /* "hostname/boot id": ranks with equal identities share a host (base/common.c). */
 void t3d__host_identity(char *buf, size_t len);
 

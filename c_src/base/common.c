@@ -55,19 +55,22 @@ __attribute__((noinline))
 #endif
 void t3d__zero(void *p, size_t n) { memset(p, 0, n); }
 
-/* membarrier(2)'s private expedited command, registered once per process. */
-static int membarrier_ok;
-static void membarrier_register(void) {
-  membarrier_ok = syscall(SYS_membarrier, MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED, 0, 0) == 0;
-}
+/* membarrier(2)'s private expedited command, registered by each process (a child of fork() registers its own:
+ * the registration belongs to the address space). Registering is idempotent, so threads may race to it. */
+static _Atomic int membarrier_pid, membarrier_ok;
 
 int t3d__membarrier_ready(void) {
-  static pthread_once_t once = PTHREAD_ONCE_INIT;
-  pthread_once(&once, membarrier_register);
-  return membarrier_ok;
+  int me = (int)getpid();
+  if (atomic_load(&membarrier_pid) != me) {
+    atomic_store(&membarrier_ok, syscall(SYS_membarrier, MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED, 0, 0) == 0);
+    atomic_store(&membarrier_pid, me);
+  }
+  return atomic_load(&membarrier_ok);
 }
 
-void t3d__membarrier(void) { syscall(SYS_membarrier, MEMBARRIER_CMD_PRIVATE_EXPEDITED, 0, 0); }
+int t3d__membarrier(void) {
+  return t3d__membarrier_ready() && syscall(SYS_membarrier, MEMBARRIER_CMD_PRIVATE_EXPEDITED, 0, 0) == 0 ? 0 : -1;
+}
 
 uint64_t t3d__now_ns(void) {
   struct timespec ts;

@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 /* What every collective that finished on the caller's thread without error hands out: done, T3D_OK, never freed.
  * One for all, so that such a call allocates nothing. */
@@ -34,7 +35,12 @@ static void other_issuer(t3d_comm_t *comm) {
   if (!comm->owner_path || is_owner(comm)) return;
   int expected = 0;
   if (atomic_compare_exchange_strong(&comm->shared, &expected, 1)) {
-    t3d__membarrier();
+    if (t3d__membarrier() != 0) {
+      /* No barrier (the process was not registered: a seccomp filter, say): the owner's mark, if it made one, has
+       * left its core's store buffer long before a millisecond is up. */
+      struct timespec ms = {0, 1000000};
+      nanosleep(&ms, NULL);
+    }
     atomic_store_explicit(&comm->shared, 2, memory_order_release);
   }
   while (atomic_load_explicit(&comm->shared, memory_order_acquire) != 2) sched_yield();
