@@ -35,6 +35,11 @@ void t3d__record_failure(t3d_comm_t *comm, t3d_exec_t *ex, t3d_result_t res);
  * (under mu), or through the owner's path (core/submit.c, without mu). t3d__release ends either hold. */
 enum { T3D_HOLD_NONE = 0, T3D_HOLD_ENGINE = 1, T3D_HOLD_OWNER = 2 };
 void t3d__release(t3d_comm_t *comm, int hold);
+/* Adds one to a count that one writer at a time changes (enqueued: under mu; finished: the progress thread), without
+ * a locked instruction; the owner's path reads both (core/submit.c). */
+static inline void t3d__count_one(_Atomic uint64_t *c, memory_order order) {
+  atomic_store_explicit(c, atomic_load_explicit(c, memory_order_relaxed) + 1, order);
+}
 /* Records the outcome of a collective and completes it. release (a T3D_HOLD_*): ended first, so that whoever sees
  * r done finds the engine idle. fresh: r finished on the caller's thread and was not handed out yet. */
 void t3d__end_collective(t3d_comm_t *comm, t3d_request_t *r, t3d_exec_t *ex, t3d_result_t res, int release,

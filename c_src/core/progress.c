@@ -122,8 +122,7 @@ void *t3d__progress_main(void *arg) {
         t3d__release_engine(comm);
       }
       /* Done with the engine: the owner's path may start again (core/submit.c). */
-      atomic_store_explicit(&comm->finished, atomic_load_explicit(&comm->finished, memory_order_relaxed) + 1,
-                            memory_order_release);
+      t3d__count_one(&comm->finished, memory_order_release);
       t3d__backoff_reset(&b);
     }
     if (posted_active(comm, 0)) {

@@ -63,15 +63,14 @@ static int owner_claims(t3d_comm_t *comm) {
 
 /* ---------- the queue ---------- */
 
+/* Its callers (t3d__submit, t3d_group_end with what t3d__submit held) have run other_issuer. */
 void t3d__enqueue(t3d_comm_t *comm, t3d_request_t *r) {
-  other_issuer(comm);
   pthread_mutex_lock(&comm->mu);
   r->next = NULL;
   if (comm->q_tail != NULL) comm->q_tail->next = r;
   else comm->q_head = r;
   comm->q_tail = r;
-  atomic_store_explicit(&comm->enqueued, atomic_load_explicit(&comm->enqueued, memory_order_relaxed) + 1,
-                        memory_order_relaxed);
+  t3d__count_one(&comm->enqueued, memory_order_relaxed);
   pthread_cond_signal(&comm->cv);
   pthread_mutex_unlock(&comm->mu);
 }
@@ -136,8 +135,7 @@ static t3d_result_t start_inline(t3d_comm_t *comm, t3d_request_t *r, int kept, i
   r->next = comm->q_head;
   comm->q_head = r;
   if (comm->q_tail == NULL) comm->q_tail = r;
-  atomic_store_explicit(&comm->enqueued, atomic_load_explicit(&comm->enqueued, memory_order_relaxed) + 1,
-                        memory_order_relaxed);
+  t3d__count_one(&comm->enqueued, memory_order_relaxed);
   if (hold == T3D_HOLD_OWNER) t3d__release(comm, hold);
   else comm->busy = 0;
   pthread_cond_signal(&comm->cv);
@@ -203,7 +201,8 @@ t3d_result_t t3d__submit_prepared(t3d_comm_t *comm, t3d_request_t *tmp, t3d_requ
     t3d__request_drop_arrays(tmp);
     return no_provider(comm, tmp);
   }
-  if (tmp->prov->start != NULL && t3d__is_collective(tmp->kind) && owner_claims(comm)) {
+  int may_inline = tmp->prov->start != NULL && t3d__is_collective(tmp->kind);
+  if (may_inline && owner_claims(comm)) {
     int eligible = may_start(comm, tmp);
     int whole = !eligible && (tmp->flags & T3D_FLAG_BLOCKING) && atomic_load(&comm->fatal) == 0;
     if (eligible || whole) {
@@ -213,7 +212,7 @@ t3d_result_t t3d__submit_prepared(t3d_comm_t *comm, t3d_request_t *tmp, t3d_requ
     }
     t3d__release(comm, T3D_HOLD_OWNER);
   }
-  if (tmp->prov->start != NULL && t3d__is_collective(tmp->kind)) {
+  if (may_inline) {
     other_issuer(comm);
     pthread_mutex_lock(&comm->mu);
     int idle = comm->group_depth == 0 && comm->q_head == NULL && !comm->busy;
